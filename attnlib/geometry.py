@@ -1,0 +1,203 @@
+r"""The matrix-factorization geometry of the population loss.
+
+Change of variables (``Sigma`` the token covariance, or ``Sigmahat`` for a sample):
+
+.. math:: \tilde A = A \Sigma^{1/2}, \qquad C = \Sigma^{1/2} B^\top \Sigma^{1/2}, \qquad
+          T = M \Sigma^{1/2},
+
+under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With the thin SVD
+``T = U S V^T`` (rank ``r``) the balanced global minima are
+
+.. math:: \mathcal S = \{(U S^{1/2} W^\top,\; W S^{1/2} V^\top) : W \in \mathbb R^{d\times r},\ W^\top W = I\},
+
+the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm projection onto
+``S`` is an orthogonal Procrustes problem solved by the polar factor of
+``N = At^T U S^{1/2} + C V S^{1/2}``.
+
+Functions that need the covariance accept either a matrix ``Sigma`` or a
+:class:`~attnlib.task.Task` (whose cached square roots are then reused).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._validate import check_matrix, check_nonneg_float, check_spd
+from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
+from .task import Task, make_generator
+
+__all__ = [
+    "to_factor",
+    "from_factor",
+    "regularizer",
+    "p_norm",
+    "p_inner",
+    "manifold_point",
+    "random_manifold_point",
+    "project_to_manifold",
+    "distance_to_manifold",
+    "renormalize",
+]
+
+SigmaLike = Union[torch.Tensor, Task]
+
+
+class _Roots:
+    """``Sigma``, ``Sigma^{1/2}``, ``Sigma^{-1/2}`` for a matrix or a Task."""
+
+    def __init__(self, Sigma: SigmaLike):
+        if isinstance(Sigma, Task):
+            self.S, self.half, self.inv_half = Sigma.Sigma, Sigma.Sigma_sqrt, Sigma.Sigma_inv_sqrt
+        else:
+            self.S = check_spd(Sigma, "Sigma")
+            self.half, self.inv_half = sym_sqrt(self.S), sym_inv_sqrt(self.S)
+        self.d = self.S.shape[0]
+
+
+def _params(A, B, d, *, ref: torch.Tensor):
+    A = check_matrix(A, "A", (None, d)).to(dtype=ref.dtype, device=ref.device)
+    B = check_matrix(B, "B", (d, d)).to(dtype=ref.dtype, device=ref.device)
+    return A, B
+
+
+def to_factor(A, B, Sigma: SigmaLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(At, C) = (A Sigma^{1/2}, Sigma^{1/2} B^T Sigma^{1/2})``."""
+    R = _Roots(Sigma)
+    A, B = _params(A, B, R.d, ref=R.S)
+    return A @ R.half, R.half @ B.T @ R.half
+
+
+def from_factor(At, C, Sigma: SigmaLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`to_factor`: ``(A, B) = (At Sigma^{-1/2}, Sigma^{-1/2} C^T Sigma^{-1/2})``."""
+    R = _Roots(Sigma)
+    At = check_matrix(At, "At", (None, R.d)).to(R.S)
+    C = check_matrix(C, "C", (R.d, R.d)).to(R.S)
+    return At @ R.inv_half, R.inv_half @ C.T @ R.inv_half
+
+
+def regularizer(A, B, Sigma: SigmaLike, lam: float = 1.0) -> torch.Tensor:
+    r"""Balancing regularizer ``R = lam/4 ||At^T At - C C^T||_F^2``.
+
+    Equal to ``lam/4 ||Sigma^{1/2} (A^T A - B^T Sigma B) Sigma^{1/2}||_F^2``;
+    differentiable; with ``Sigma = Sigmahat`` it is the empirical ``Rhat``.
+    """
+    lam = check_nonneg_float(lam, "lam")
+    S = Sigma.Sigma if isinstance(Sigma, Task) else check_matrix(Sigma, "Sigma", (None, None))
+    if S.shape[0] != S.shape[1]:
+        raise ValueError(f"Sigma: expected a square matrix, got shape {tuple(S.shape)}")
+    A, B = _params(A, B, S.shape[0], ref=S)
+    DS = (A.T @ A - B.T @ S @ B) @ S
+    # ||S^{1/2} D S^{1/2}||_F^2 = tr(D S D S) for symmetric D
+    return 0.25 * lam * torch.sum(DS * DS.T)
+
+
+def p_inner(dA1, dB1, dA2, dB2, Sigma: SigmaLike) -> torch.Tensor:
+    """P-inner product: the Euclidean inner product of the two directions mapped to ``(At, C)``."""
+    a1, c1 = to_factor(dA1, dB1, Sigma)
+    a2, c2 = to_factor(dA2, dB2, Sigma)
+    return torch.sum(a1 * a2) + torch.sum(c1 * c2)
+
+
+def p_norm(dA, dB, Sigma: SigmaLike) -> torch.Tensor:
+    r"""``||(dA, dB)||_P = sqrt(||dA Sigma^{1/2}||_F^2 + ||Sigma^{1/2} dB^T Sigma^{1/2}||_F^2)``."""
+    a, c = to_factor(dA, dB, Sigma)
+    return torch.sqrt(torch.sum(a * a) + torch.sum(c * c))
+
+
+def _check_stiefel(W, d: int, r: int, ref: torch.Tensor) -> torch.Tensor:
+    W = check_matrix(W, "W", (d, r)).to(ref)
+    tol = 1e-4 if W.dtype == torch.float32 else 1e-8
+    err = float(torch.linalg.norm(W.T @ W - torch.eye(r, dtype=W.dtype, device=W.device)))
+    if err > tol:
+        raise ValueError(f"W: expected orthonormal columns (W^T W = I), ||W^T W - I||_F = {err:.2e}")
+    return W
+
+
+def manifold_point(task: Task, W) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The balanced minimum ``(At, C) = (U S^{1/2} W^T, W S^{1/2} V^T)`` in original coordinates ``(A, B)``.
+
+    ``W`` is d x r with orthonormal columns (``r = task.rank``).
+    """
+    U, s, V = task.svd
+    W = _check_stiefel(W, task.d, len(s), task.Sigma)
+    sh = s.sqrt()
+    At = (U * sh) @ W.T
+    C = (W * sh) @ V.T
+    return from_factor(At, C, task)
+
+
+def random_manifold_point(task: Task, *, seed: Optional[int] = None,
+                          generator: Optional[torch.Generator] = None):
+    """A balanced minimum with a Haar-random ``W`` (d x r); returns ``(A, B, W)``."""
+    g = make_generator(seed, generator)
+    G = torch.randn(task.d, task.rank, generator=g, dtype=torch.float64)
+    Q, R = torch.linalg.qr(G)
+    W = (Q * torch.sign(torch.diagonal(R))).to(task.Sigma)
+    A, B = manifold_point(task, W)
+    return A, B, W
+
+
+def _procrustes(At, C, U, s, V):
+    """Closest balanced factorization of ``U diag(s) V^T`` to ``(At, C)`` in Frobenius norm."""
+    sh = s.sqrt()
+    N = At.T @ (U * sh) + C @ (V * sh)
+    W = polar_factor(N)
+    return (U * sh) @ W.T, (W * sh) @ V.T, W
+
+
+def project_to_manifold(A, B, task: Task, *, return_W: bool = False):
+    """P-norm projection of ``(A, B)`` onto the manifold of balanced minima of ``task``.
+
+    Returns ``(A*, B*)`` (and ``W*`` with ``return_W=True``), where
+    ``W* = polar(At^T U S^{1/2} + C V S^{1/2})``.
+    """
+    if not isinstance(task, Task):
+        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
+    At, C = to_factor(A, B, task)
+    At_p, C_p, W = _procrustes(At, C, *task.svd)
+    Ap, Bp = from_factor(At_p, C_p, task)
+    return (Ap, Bp, W) if return_W else (Ap, Bp)
+
+
+def distance_to_manifold(A, B, task: Task) -> torch.Tensor:
+    """Exact P-norm distance ``dist_P((A, B), S)`` to the balanced minima (0-dim tensor)."""
+    if not isinstance(task, Task):
+        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
+    At, C = to_factor(A, B, task)
+    At_p, C_p, _ = _procrustes(At, C, *task.svd)
+    return torch.sqrt(torch.sum((At - At_p) ** 2) + torch.sum((C - C_p) ** 2))
+
+
+def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""Renormalisation step: re-factor ``At C`` without changing the product.
+
+    ``mode="scale"``: ``(At, C) -> (At / c, c C)`` with ``c = sqrt(||At||_F / ||C||_F)``,
+    so both factors get the same Frobenius norm (in ``(A, B)``: ``(A / c, c B)``).
+
+    ``mode="balance"``: replace ``(At, C)`` by the closest (Frobenius) balanced
+    factorization of the current product ``P = At C``: with ``P = U S V^T``,
+    ``(U S^{1/2} W^T, W S^{1/2} V^T)`` and ``W`` from Procrustes. Among all
+    factorizations of ``P`` this one has the smallest ``||At||^2 + ||C||^2``, so
+    ``||C||_F^2 = ||P||_*`` (nuclear norm) bounds the softmax scale.
+
+    Both leave the population loss unchanged (they keep ``At C``).
+    """
+    if mode not in ("scale", "balance"):
+        raise ValueError(f"mode: expected 'scale' or 'balance', got {mode!r}")
+    R = _Roots(Sigma)
+    A, B = _params(A, B, R.d, ref=R.S)
+    At, C = A @ R.half, R.half @ B.T @ R.half
+    if mode == "scale":
+        na, nc = torch.linalg.norm(At), torch.linalg.norm(C)
+        if float(na) == 0.0 or float(nc) == 0.0:
+            return A, B
+        c = torch.sqrt(na / nc)
+        return A / c, B * c
+    P = At @ C
+    r = numerical_rank(P)
+    if r == 0:
+        return torch.zeros_like(A), torch.zeros_like(B)
+    U, s, Vh = torch.linalg.svd(P, full_matrices=False)
+    At_b, C_b, _ = _procrustes(At, C, U[:, :r], s[:r], Vh[:r].T)
+    return At_b @ R.inv_half, R.inv_half @ C_b.T @ R.inv_half

@@ -1,0 +1,325 @@
+r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines.
+
+``method="structured"`` is Algorithm 1 of the book:
+
+1. spectral initialisation (``init="spectral"``);
+2. descent on the regularized objective ``Qhat = Lhat + Rhat`` (``regularize``);
+3. the covariance preconditioner ``A <- A - lr gA Sigmahat^{-1}``,
+   ``B <- B - lr Sigmahat^{-1} gB Sigmahat^{-1}`` (``precondition``), i.e. plain
+   gradient descent in the coordinates ``(At, C)``;
+4. a renormalisation step after each update (``renormalize``, see
+   :func:`attnlib.geometry.renormalize`).
+
+Each component can be switched off on its own. ``"gd"``, ``"sgd"`` (minibatches
+of queries, all ``n`` keys) and ``"adam"`` are the baselines; they default to
+all components off but accept the same switches (except the preconditioner
+for Adam). :func:`train` works on one sample ``(X, Y)``; :func:`train_population`
+runs the same algorithms on the closed-form population objective.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_device, resolve_dtype
+from .attention import empirical_loss
+from .geometry import distance_to_manifold, regularizer, renormalize as _renormalize
+from .init import random_init, spectral_init
+from .task import Task, check_samples, empirical_task, make_generator
+
+__all__ = ["train", "train_population", "History", "DivergenceError", "METHODS"]
+
+METHODS = ("structured", "gd", "sgd", "adam")
+
+
+class DivergenceError(FloatingPointError):
+    """Raised when the objective or the parameters stop being finite (step size too large)."""
+
+
+@dataclass
+class History:
+    """Record of one training run.
+
+    Lists have one entry per recorded iterate (``steps`` holds the iteration
+    numbers, starting at 0 = the initialisation). ``objective`` is the
+    (regularized) training objective, ``loss`` its unregularized part,
+    ``grad_norm`` the Euclidean norm of the objective's gradient, ``time`` the
+    cumulative wall time of the updates in seconds. ``excess`` (population
+    ``L - L*``) and ``dist`` (``dist_P`` to the manifold) are filled when a
+    task is known. ``A`` and ``B`` are the final parameters.
+    """
+
+    method: str
+    config: Dict[str, object]
+    steps: List[int] = field(default_factory=list)
+    objective: List[float] = field(default_factory=list)
+    loss: List[float] = field(default_factory=list)
+    grad_norm: List[float] = field(default_factory=list)
+    time: List[float] = field(default_factory=list)
+    excess: List[float] = field(default_factory=list)
+    dist: List[float] = field(default_factory=list)
+    A: Optional[torch.Tensor] = None
+    B: Optional[torch.Tensor] = None
+    diverged: bool = False
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def as_arrays(self) -> Dict[str, np.ndarray]:
+        """The recorded series as numpy arrays (empty series are left out)."""
+        keys = ("steps", "objective", "loss", "grad_norm", "time", "excess", "dist")
+        return {k: np.asarray(getattr(self, k)) for k in keys if len(getattr(self, k))}
+
+    def steps_to(self, tol: float, series: str = "excess") -> Optional[int]:
+        """First recorded iteration at which ``series`` is ``<= tol`` (``None`` if never)."""
+        vals = getattr(self, series)
+        for s, v in zip(self.steps, vals):
+            if v <= tol:
+                return s
+        return None
+
+
+def _resolve_flags(method, regularize, precondition, renormalize):
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    structured = method == "structured"
+    regularize = structured if regularize is None else bool(regularize)
+    precondition = structured if precondition is None else bool(precondition)
+    if renormalize is None:
+        renormalize = "scale" if structured else None
+    elif renormalize is True:
+        renormalize = "scale"
+    elif renormalize is False:
+        renormalize = None
+    if renormalize not in (None, "scale", "balance"):
+        raise ValueError(f"renormalize: expected None, True, False, 'scale' or 'balance', got {renormalize!r}")
+    if method == "adam" and precondition:
+        raise ValueError("precondition: the covariance preconditioner is not defined for method='adam'")
+    return regularize, precondition, renormalize
+
+
+def _initial_params(init, d, k, *, spectral: Callable[[], Tuple[torch.Tensor, torch.Tensor]],
+                    init_scale, seed, dtype, device):
+    if isinstance(init, str):
+        if init == "spectral":
+            A, B = spectral()
+        elif init == "random":
+            A, B = random_init(d, k, scale=init_scale, seed=seed, dtype=dtype, device=device)
+        else:
+            raise ValueError(f"init: expected 'spectral', 'random' or a pair (A, B), got {init!r}")
+    elif isinstance(init, (tuple, list)) and len(init) == 2:
+        A = check_matrix(init[0], "init[0] (A)", (k, d))
+        B = check_matrix(init[1], "init[1] (B)", (d, d))
+    else:
+        raise ValueError(f"init: expected 'spectral', 'random' or a pair (A, B), got {type(init).__name__}")
+    return (A.detach().to(device=device, dtype=dtype).clone(),
+            B.detach().to(device=device, dtype=dtype).clone())
+
+
+def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps, lr, method,
+         lam, regularize, precondition, renormalize, batch_size, seed, task, record_every,
+         progress, on_divergence, config) -> History:
+    """Shared optimisation loop (``loss_fn(A, B, idx)``: training loss, ``idx`` rows or None)."""
+    hist = History(method=method, config=config)
+    A = A.clone().requires_grad_(True)
+    B = B.clone().requires_grad_(True)
+    if precondition:
+        S_inv = torch.linalg.inv(geom.Sigma)
+    opt = torch.optim.Adam([A, B], lr=lr) if method == "adam" else None
+    gen = make_generator(seed, name="seed") if method == "sgd" else None
+    eval_task = task.to(dtype=A.dtype, device=A.device) if task is not None else None
+
+    def objective(idx):
+        loss = loss_fn(A, B, idx)
+        reg = regularizer(A, B, geom, lam) if regularize else loss.new_zeros(())
+        return loss, loss + reg
+
+    def check_finite(val, t):
+        ok = bool(torch.isfinite(val)) and bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
+        if not ok:
+            hist.diverged = True
+            if on_divergence == "raise":
+                raise DivergenceError(
+                    f"training diverged at step {t} (method={method!r}, lr={lr}): the objective or the "
+                    f"parameters are no longer finite; lower lr")
+        return ok
+
+    def record(t, loss, obj, gnorm, elapsed):
+        hist.steps.append(t)
+        hist.loss.append(float(loss))
+        hist.objective.append(float(obj))
+        hist.grad_norm.append(float(gnorm) if gnorm is not None else float("nan"))
+        hist.time.append(elapsed)
+        if eval_task is not None:
+            with torch.no_grad():
+                hist.excess.append(float(eval_task.excess_risk(A, B)))
+                hist.dist.append(float(distance_to_manifold(A, B, eval_task)))
+
+    elapsed = 0.0
+    bar = tqdm(total=steps, desc=method, disable=not progress, leave=False)
+    for t in range(steps + 1):
+        rec = (t % record_every == 0) or t == steps
+        gA = gB = gnorm = None
+        if method == "sgd":
+            if rec:  # full objective for the record; not part of the timed update
+                with torch.no_grad():
+                    full_loss, full_obj = objective(None)
+        else:
+            t0 = time.perf_counter()
+            full_loss, full_obj = objective(None)
+            gA, gB = torch.autograd.grad(full_obj, (A, B))
+            gnorm = torch.sqrt(torch.sum(gA * gA) + torch.sum(gB * gB))
+            elapsed += time.perf_counter() - t0
+        if rec:
+            if not check_finite(full_obj.detach(), t):
+                break
+            record(t, full_loss.detach(), full_obj.detach(), gnorm, elapsed)
+        if t == steps:
+            break
+        t0 = time.perf_counter()
+        if method == "sgd":
+            idx = torch.randperm(n_queries, generator=gen)[:batch_size].to(A.device)
+            _, obj = objective(idx)
+            gA, gB = torch.autograd.grad(obj, (A, B))
+        with torch.no_grad():
+            if method == "adam":
+                A.grad, B.grad = gA, gB
+                opt.step()
+            else:
+                if precondition:
+                    gA = gA @ S_inv
+                    gB = S_inv @ gB @ S_inv
+                A -= lr * gA
+                B -= lr * gB
+            if renormalize is not None:
+                A_new, B_new = _renormalize(A, B, geom, renormalize)
+                A.copy_(A_new)
+                B.copy_(B_new)
+        elapsed += time.perf_counter() - t0
+        if not check_finite(A.detach().sum() + B.detach().sum(), t + 1):
+            break
+        bar.update(1)
+    bar.close()
+    hist.A, hist.B = A.detach(), B.detach()
+    return hist
+
+
+def _common_checks(steps, lr, lam, record_every, on_divergence):
+    steps = check_positive_int(steps, "steps", minimum=0)
+    lr = check_nonneg_float(lr, "lr", positive=True)
+    lam = check_nonneg_float(lam, "lam")
+    record_every = check_positive_int(record_every, "record_every")
+    if on_divergence not in ("raise", "stop"):
+        raise ValueError(f"on_divergence: expected 'raise' or 'stop', got {on_divergence!r}")
+    return steps, lr, lam, record_every
+
+
+def train(X, Y, *, steps: int, lr: float, method: str = "structured",
+          init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "spectral",
+          lam: float = 1.0, regularize: Optional[bool] = None, precondition: Optional[bool] = None,
+          renormalize: Union[None, bool, str] = None, batch_size: Optional[int] = None,
+          init_scale: float = 1e-2, seed: int = 0, task: Optional[Task] = None,
+          record_every: int = 1, progress: bool = False, on_divergence: str = "raise",
+          dtype=None, device=None) -> History:
+    """Train the attention layer on one sequence ``(X, Y)`` (shapes (n, d), (n, k)).
+
+    Parameters
+    ----------
+    steps, lr : number of updates and step size.
+    method : ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"`` or ``"adam"``.
+    init : ``"spectral"`` (:func:`~attnlib.init.spectral_init`), ``"random"``
+        (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``.
+    lam : weight of the balancing regularizer.
+    regularize, precondition, renormalize : switch each structured component on
+        or off (``None``: on for ``"structured"``, off otherwise);
+        ``renormalize`` is ``"scale"``, ``"balance"`` or ``None``.
+    batch_size : queries per SGD step (default ``max(1, n // 8)``).
+    seed : seeds the random initialisation and the SGD minibatches.
+    task : if given, the population excess risk and ``dist_P`` are recorded at every step.
+    record_every : record every this many steps (the last step is always recorded).
+    progress : show a tqdm progress bar.
+    on_divergence : ``"raise"`` (:class:`DivergenceError`) or ``"stop"`` (``History.diverged``).
+    dtype, device : move ``X``, ``Y`` there first (default: keep theirs).
+
+    The regularizer, preconditioner and renormalisation use ``Sigmahat = X^T X / n``.
+    """
+    X, Y = check_samples(X, Y)
+    if dtype is not None or device is not None:
+        X = X.to(dtype=resolve_dtype(dtype) if dtype is not None else X.dtype,
+                 device=resolve_device(device) if device is not None else X.device)
+        Y = Y.to(X)
+    steps, lr, lam, record_every = _common_checks(steps, lr, lam, record_every, on_divergence)
+    regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
+    n, d = X.shape
+    k = Y.shape[1]
+    if task is not None and (not isinstance(task, Task) or task.d != d or task.k != k):
+        raise ValueError(f"task: expected an attnlib.Task with d = {d}, k = {k}")
+    geom = None
+    if regularize or precondition or renormalize:
+        if n < d:
+            raise ValueError(f"X: the structured components need n >= d (Sigmahat invertible), got n = {n}, d = {d}")
+        geom = empirical_task(X, Y)
+    if method == "sgd":
+        batch_size = max(1, n // 8) if batch_size is None else check_positive_int(batch_size, "batch_size")
+        if batch_size > n:
+            raise ValueError(f"batch_size: expected at most n = {n}, got {batch_size}")
+    A, B = _initial_params(init, d, k, spectral=lambda: spectral_init(X, Y), init_scale=init_scale,
+                           seed=seed, dtype=X.dtype, device=X.device)
+    config = dict(n=n, d=d, k=k, steps=steps, lr=lr, method=method,
+                  init=init if isinstance(init, str) else "given", lam=lam, regularize=regularize,
+                  precondition=precondition, renormalize=renormalize, batch_size=batch_size,
+                  init_scale=init_scale, seed=seed, objective="empirical")
+
+    def loss_fn(A_, B_, idx):
+        return empirical_loss(A_, B_, X, Y, queries=idx)
+
+    return _run(loss_fn=loss_fn, geom=geom, n_queries=n, A=A, B=B, steps=steps, lr=lr, method=method,
+                lam=lam, regularize=regularize, precondition=precondition, renormalize=renormalize,
+                batch_size=batch_size, seed=seed, task=task, record_every=record_every,
+                progress=progress, on_divergence=on_divergence, config=config)
+
+
+def train_population(task: Task, *, steps: int, lr: float, method: str = "structured",
+                     init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "random",
+                     lam: float = 1.0, regularize: Optional[bool] = None,
+                     precondition: Optional[bool] = None, renormalize: Union[None, bool, str] = None,
+                     init_scale: float = 1e-2, seed: int = 0, record_every: int = 1,
+                     progress: bool = False, on_divergence: str = "raise") -> History:
+    """Run the same algorithms on the closed-form population objective ``Q = L + R`` (no samples).
+
+    The components use the true ``Sigma``; ``init="spectral"`` is the
+    infinite-data spectral initialisation (exactly on the manifold), so the
+    default here is ``"random"``. ``method="sgd"`` is not defined without
+    samples. ``excess`` and ``dist`` are always recorded.
+    """
+    if not isinstance(task, Task):
+        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
+    if method == "sgd":
+        raise ValueError("method: 'sgd' needs samples (minibatches of queries); use train(X, Y, ...)")
+    steps, lr, lam, record_every = _common_checks(steps, lr, lam, record_every, on_divergence)
+    regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
+
+    def spectral():
+        from .geometry import manifold_point
+        U, s, V = task.svd
+        return manifold_point(task, V)
+
+    A, B = _initial_params(init, task.d, task.k, spectral=spectral, init_scale=init_scale, seed=seed,
+                           dtype=task.dtype, device=task.device)
+    config = dict(d=task.d, k=task.k, steps=steps, lr=lr, method=method,
+                  init=init if isinstance(init, str) else "given", lam=lam, regularize=regularize,
+                  precondition=precondition, renormalize=renormalize, init_scale=init_scale,
+                  seed=seed, objective="population")
+
+    def loss_fn(A_, B_, idx):
+        return task.population_loss(A_, B_)
+
+    return _run(loss_fn=loss_fn, geom=task, n_queries=None, A=A, B=B, steps=steps, lr=lr, method=method,
+                lam=lam, regularize=regularize, precondition=precondition, renormalize=renormalize,
+                batch_size=None, seed=seed, task=task, record_every=record_every, progress=progress,
+                on_divergence=on_divergence, config=config)
