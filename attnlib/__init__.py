@@ -10,7 +10,7 @@ renormalisation). Every function validates its inputs and raises
 from .attention import (attention, attention_limit, attention_reference, attention_weights,
                         effective_sample_size, empirical_loss)
 from .geometry import (distance_to_manifold, from_factor, manifold_point, p_inner, p_norm,
-                       project_to_manifold, random_manifold_point, regularizer, renormalize, to_factor)
+                       perturb, project_to_manifold, random_manifold_point, regularizer, renormalize, to_factor)
 from .init import random_init, spectral_init
 from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
 from .task import Task, empirical_task, make_generator
@@ -23,7 +23,7 @@ __all__ = [
     "attention", "attention_reference", "attention_weights", "attention_limit", "empirical_loss",
     "effective_sample_size",
     "to_factor", "from_factor", "regularizer", "p_norm", "p_inner", "manifold_point",
-    "random_manifold_point", "project_to_manifold", "distance_to_manifold", "renormalize",
+    "random_manifold_point", "perturb", "project_to_manifold", "distance_to_manifold", "renormalize",
     "spectral_init", "random_init",
     "sym_sqrt", "sym_inv_sqrt", "polar_factor", "numerical_rank",
     "train", "train_population", "History", "DivergenceError", "METHODS",

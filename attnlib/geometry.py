@@ -38,6 +38,7 @@ __all__ = [
     "project_to_manifold",
     "distance_to_manifold",
     "renormalize",
+    "perturb",
 ]
 
 SigmaLike = Union[torch.Tensor, Task]
@@ -201,3 +202,19 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     U, s, Vh = torch.linalg.svd(P, full_matrices=False)
     At_b, C_b, _ = _procrustes(At, C, U[:, :r], s[:r], Vh[:r].T)
     return At_b @ R.inv_half, R.inv_half @ C_b.T @ R.inv_half
+
+
+def perturb(A, B, Sigma: SigmaLike, radius: float, *, seed: Optional[int] = None,
+            generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` moved by a uniformly random direction of P-norm exactly ``radius``.
+
+    The direction is Gaussian in the coordinates ``(At, C)``, normalised to
+    Frobenius norm ``radius`` there (i.e. P-norm ``radius`` in ``(A, B)``).
+    """
+    radius = check_nonneg_float(radius, "radius")
+    g = make_generator(seed, generator)
+    At, C = to_factor(A, B, Sigma)
+    dAt = torch.randn(At.shape, generator=g, dtype=torch.float64).to(At)
+    dC = torch.randn(C.shape, generator=g, dtype=torch.float64).to(C)
+    nrm = torch.sqrt(dAt.square().sum() + dC.square().sum())
+    return from_factor(At + radius * dAt / nrm, C + radius * dC / nrm, Sigma)

@@ -236,8 +236,9 @@ def train(X, Y, *, steps: int, lr: float, method: str = "structured",
         (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``.
     lam : weight of the balancing regularizer.
     regularize, precondition, renormalize : switch each structured component on
-        or off (``None``: on for ``"structured"``, off otherwise);
-        ``renormalize`` is ``"scale"``, ``"balance"`` or ``None``.
+        (``True``) or off (``False``); ``None`` (the default) means on for
+        ``"structured"`` and off otherwise. ``renormalize`` also takes the mode,
+        ``"scale"`` (what ``True`` means) or ``"balance"``.
     batch_size : queries per SGD step (default ``max(1, n // 8)``).
     seed : seeds the random initialisation and the SGD minibatches.
     task : if given, the population excess risk and ``dist_P`` are recorded at every step.

@@ -1,0 +1,129 @@
+"""Manifold of balanced minima, Procrustes projection, renormalisation, spectral init."""
+import pytest
+import torch
+
+import attnlib as al
+
+
+@pytest.fixture(params=[(5, 3, None), (6, 2, None), (5, 4, 2)], ids=["d5k3", "d6k2", "d5k4r2"])
+def gtask(request):
+    d, k, r = request.param
+    return al.Task.random(d, k, cond=30.0, signal=1.5, rank=r, seed=d + k)
+
+
+def test_manifold_points_are_balanced_minima_at_distance_zero(gtask):
+    for s in range(3):
+        A, B, W = al.random_manifold_point(gtask, seed=s)
+        At, C = al.to_factor(A, B, gtask)
+        assert float(gtask.excess_risk(A, B)) < 1e-24
+        assert torch.allclose(At.T @ At, C @ C.T, atol=1e-12)
+        assert float(al.distance_to_manifold(A, B, gtask)) < 1e-10
+
+
+def test_distance_is_invariant_along_the_orbit(gtask):
+    A, B = al.perturb(*al.random_manifold_point(gtask, seed=1)[:2], gtask, 0.4, seed=2)
+    At, C = al.to_factor(A, B, gtask)
+    d0 = float(al.distance_to_manifold(A, B, gtask))
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        O, _ = torch.linalg.qr(torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64))
+        A2, B2 = al.from_factor(At @ O, O.T @ C, gtask)
+        assert float(al.distance_to_manifold(A2, B2, gtask)) == pytest.approx(d0, rel=1e-10)
+        assert float(gtask.population_loss(A2, B2)) == pytest.approx(float(gtask.population_loss(A, B)))
+
+
+def test_projection_lands_on_the_manifold_and_is_closer_than_the_start(gtask):
+    A, B = al.perturb(*al.random_manifold_point(gtask, seed=3)[:2], gtask, 0.5, seed=4)
+    Ap, Bp = al.project_to_manifold(A, B, gtask)
+    assert float(al.distance_to_manifold(Ap, Bp, gtask)) < 1e-10
+    assert float(al.p_norm(A - Ap, B - Bp, gtask)) == pytest.approx(float(al.distance_to_manifold(A, B, gtask)))
+    assert float(al.distance_to_manifold(A, B, gtask)) <= 0.5 + 1e-12
+
+
+def _brute_force_distance(task, A, B, restarts=8, iters=300):
+    """min over Stiefel W = Z (Z^T Z)^{-1/2} by LBFGS over the free matrix Z, from random starts."""
+    At, C = al.to_factor(A, B, task)
+    U, s, V = task.svd
+    sh = s.sqrt()
+    best = float("inf")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(restarts):
+        Z = torch.randn(task.d, len(s), generator=g, dtype=torch.float64).requires_grad_()
+        opt = torch.optim.LBFGS([Z], max_iter=iters, tolerance_grad=1e-14, tolerance_change=1e-16,
+                                line_search_fn="strong_wolfe")
+
+        def value():
+            W = Z @ al.sym_inv_sqrt(Z.T @ Z)   # smooth polar retraction onto the Stiefel manifold
+            return ((At - (U * sh) @ W.T) ** 2).sum() + ((C - (W * sh) @ V.T) ** 2).sum()
+
+        def closure():
+            opt.zero_grad()
+            f = value()
+            f.backward()
+            return f
+
+        opt.step(closure)
+        with torch.no_grad():
+            best = min(best, float(value()))
+    return best ** 0.5
+
+
+@pytest.mark.parametrize("radius", [0.1, 1.0, 3.0])
+def test_distance_equals_brute_force_minimisation(gtask, radius):
+    A, B = al.perturb(*al.random_manifold_point(gtask, seed=5)[:2], gtask, radius, seed=6)
+    exact = float(al.distance_to_manifold(A, B, gtask))
+    brute = _brute_force_distance(gtask, A, B)
+    assert brute >= exact - 1e-8          # Procrustes is a global minimum
+    assert brute == pytest.approx(exact, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["scale", "balance"])
+def test_renormalize_keeps_the_product(gtask, mode):
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(gtask.k, gtask.d, generator=g, dtype=torch.float64) * 3
+    B = torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64) * 0.1
+    A2, B2 = al.renormalize(A, B, gtask, mode)
+    At, C = al.to_factor(A, B, gtask)
+    At2, C2 = al.to_factor(A2, B2, gtask)
+    assert torch.allclose(At @ C, At2 @ C2, atol=1e-10)
+    assert float(gtask.population_loss(A2, B2)) == pytest.approx(float(gtask.population_loss(A, B)), rel=1e-10)
+    if mode == "scale":
+        assert float(torch.linalg.norm(At2)) == pytest.approx(float(torch.linalg.norm(C2)), rel=1e-12)
+    else:
+        assert torch.allclose(At2.T @ At2, C2 @ C2.T, atol=1e-10)
+        nuc = float(torch.linalg.svdvals(At @ C).sum())
+        assert float((C2 ** 2).sum()) == pytest.approx(nuc, rel=1e-10)
+        # minimal norm among factorizations of the product
+        assert float((At2 ** 2).sum() + (C2 ** 2).sum()) <= float((At ** 2).sum() + (C ** 2).sum()) + 1e-12
+
+
+def test_spectral_init_is_balanced_and_exact_on_its_empirical_manifold():
+    task = al.Task.random(6, 3, cond=20.0, signal=1.0, noise_std=0.5, seed=4)
+    X, Y = task.sample(500, seed=5)
+    A0, B0 = al.spectral_init(X, Y)
+    emp = al.empirical_task(X, Y)
+    At, C = al.to_factor(A0, B0, emp)
+    assert torch.allclose(At.T @ At, C @ C.T, atol=1e-12)
+    assert float(al.distance_to_manifold(A0, B0, emp)) < 1e-12
+    assert torch.allclose(A0 @ emp.Sigma @ B0.T, emp.M, atol=1e-12)
+    # and close (not equal) to the population manifold
+    d_pop = float(al.distance_to_manifold(A0, B0, task))
+    assert 1e-4 < d_pop < 0.5
+
+
+def test_spectral_init_improves_with_n():
+    task = al.Task.random(5, 2, cond=10.0, signal=1.0, noise_std=0.5, seed=1)
+    ex = []
+    for n in (100, 10_000):
+        vals = [float(task.excess_risk(*al.spectral_init(*task.sample(n, seed=s)))) for s in range(5)]
+        ex.append(sum(vals) / len(vals))
+    assert ex[1] < ex[0] / 20
+
+
+def test_spectral_init_rank_truncation():
+    task = al.Task.random(6, 4, cond=5.0, signal=1.0, rank=2, noise_std=0.05, seed=2)
+    X, Y = task.sample(2000, seed=3)
+    A0, B0 = al.spectral_init(X, Y, rank=2)
+    At, C = al.to_factor(A0, B0, al.empirical_task(X, Y))
+    assert al.numerical_rank(At @ C) == 2
+    assert float(al.distance_to_manifold(A0, B0, task)) < 0.1
