@@ -32,6 +32,8 @@ __all__ = [
     "attention_limit",
     "empirical_loss",
     "effective_sample_size",
+    "limit_error_prediction",
+    "finite_n_error",
 ]
 
 
@@ -126,3 +128,48 @@ def effective_sample_size(n: int, a, Sigma) -> float:
     Sigma = check_matrix(Sigma, "Sigma", (None, None))
     a = check_matrix(a, "a", (Sigma.shape[0],)).to(Sigma.dtype)
     return float(n) * math.exp(-float(a @ Sigma @ a))
+
+
+def limit_error_prediction(queries, A, B, Sigma, n: int) -> torch.Tensor:
+    r"""Asymptotic mean squared error of the finite-n layer around its limit, per query.
+
+    The softmax average is a self-normalised importance-sampling estimate of the
+    tilted mean ``Sigma a`` (``a = B^T q``) with weights ``w = exp(a^T x)``; the
+    delta method gives ``sqrt(n) (avg - Sigma a) -> N(0, V)`` with
+    ``V = exp(a^T Sigma a) (Sigma + Sigma a a^T Sigma)``, so
+
+    .. math:: E\|f(q; X) - A\Sigma B^\top q\|^2 \approx \frac{e^{a^\top\Sigma a}}{n}
+              \operatorname{tr}\big(A(\Sigma + \Sigma a a^\top \Sigma)A^\top\big)
+              = \frac{\operatorname{tr}(A(\Sigma + \Sigma a a^\top\Sigma)A^\top)}{\mathrm{ESS}} .
+
+    Returns a tensor of shape (m,) for ``queries`` of shape (m, d).
+    """
+    Sigma = check_matrix(Sigma, "Sigma", (None, None))
+    d = Sigma.shape[0]
+    Q = check_matrix(queries, "queries", (None, d)).to(Sigma.dtype)
+    A = check_matrix(A, "A", (None, d)).to(Sigma.dtype)
+    B = check_matrix(B, "B", (d, d)).to(Sigma.dtype)
+    if int(n) < 1:
+        raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    a = Q @ B                                    # rows a_i^T = (B^T q_i)^T
+    Sa = a @ Sigma                               # rows (Sigma a_i)^T
+    quad = (a * Sa).sum(1)                       # a^T Sigma a
+    base = torch.trace(A @ Sigma @ A.T)
+    rank1 = ((Sa @ A.T) ** 2).sum(1)             # ||A Sigma a||^2
+    return torch.exp(quad) * (base + rank1) / n
+
+
+def finite_n_error(task, A, B, ns, *, queries, n_seeds: int = 8, seed: int = 0) -> torch.Tensor:
+    """Measured mean squared error ``E||f(q; X) - A Sigma B^T q||^2`` per sequence length and query.
+
+    For each ``n`` in ``ns``, ``n_seeds`` independent sequences are drawn from
+    ``task`` (seeds ``seed, seed + 1, ...``); returns a tensor of shape
+    ``(len(ns), m)`` (mean over sequences).
+    """
+    limit = attention_limit(queries, A, B, task.Sigma)
+    out = []
+    for n in ns:
+        errs = [((attention(task.sample(int(n), seed=seed + s)[0], A, B, queries=queries) - limit) ** 2).sum(1)
+                for s in range(n_seeds)]
+        out.append(torch.stack(errs).mean(0))
+    return torch.stack(out)
