@@ -24,7 +24,6 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_device, resolve_dtype
 from .attention import empirical_loss
@@ -161,7 +160,11 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
                 hist.dist.append(float(distance_to_manifold(A, B, eval_task)))
 
     elapsed = 0.0
-    bar = tqdm(total=steps, desc=method, disable=not progress, leave=False)
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, desc=method, leave=False)
+    else:
+        bar = None
     for t in range(steps + 1):
         rec = (t % record_every == 0) or t == steps
         gA = gB = gnorm = None
@@ -203,8 +206,10 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
         elapsed += time.perf_counter() - t0
         if not check_finite(A.detach().sum() + B.detach().sum(), t + 1):
             break
-        bar.update(1)
-    bar.close()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     hist.A, hist.B = A.detach(), B.detach()
     return hist
 
