@@ -8,7 +8,14 @@ r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines.
    ``B <- B - lr Sigmahat^{-1} gB Sigmahat^{-1}`` (``precondition``), i.e. plain
    gradient descent in the coordinates ``(At, C)``;
 4. a renormalisation step after each update (``renormalize``, see
-   :func:`attnlib.geometry.renormalize`).
+   :func:`attnlib.geometry.renormalize`): by default ``"balance"``, which
+   replaces ``(At, C)`` by the closest balanced factorization of the current
+   product ``At C``. It keeps the population loss, bounds the softmax scale by
+   ``||C||_F^2 = ||At C||_*`` and removes the components of ``C`` that the
+   product does not see. The iterates are then balanced, so the regularizer's
+   gradient vanishes at them: with ``"balance"`` every step the regularizer is
+   inert, and it does the balancing (more slowly) when the renormalisation is
+   switched off or set to ``"scale"``.
 
 Each component can be switched off on its own. ``"gd"``, ``"sgd"`` (minibatches
 of queries, all ``n`` keys) and ``"adam"`` are the baselines; they default to
@@ -50,7 +57,8 @@ class History:
     ``grad_norm`` the Euclidean norm of the objective's gradient, ``time`` the
     cumulative wall time of the updates in seconds. ``excess`` (population
     ``L - L*``) and ``dist`` (``dist_P`` to the manifold) are filled when a
-    task is known. ``A`` and ``B`` are the final parameters.
+    task is known. ``A`` and ``B`` are the final parameters (after a divergence
+    with ``on_divergence="stop"``: the last finite iterate, and ``diverged`` is set).
     """
 
     method: str
@@ -90,9 +98,9 @@ def _resolve_flags(method, regularize, precondition, renormalize):
     regularize = structured if regularize is None else bool(regularize)
     precondition = structured if precondition is None else bool(precondition)
     if renormalize is None:
-        renormalize = "scale" if structured else None
+        renormalize = "balance" if structured else None
     elif renormalize is True:
-        renormalize = "scale"
+        renormalize = "balance"
     elif renormalize is False:
         renormalize = None
     if renormalize not in (None, "scale", "balance"):
@@ -185,6 +193,7 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
         if t == steps:
             break
         t0 = time.perf_counter()
+        last_A, last_B = A.detach().clone(), B.detach().clone()
         if method == "sgd":
             idx = torch.randperm(n_queries, generator=gen)[:batch_size].to(A.device)
             _, obj = objective(idx)
@@ -199,12 +208,18 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
                     gB = S_inv @ gB @ S_inv
                 A -= lr * gA
                 B -= lr * gB
-            if renormalize is not None:
+            finite = bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
+            if finite and renormalize is not None:
                 A_new, B_new = _renormalize(A, B, geom, renormalize)
                 A.copy_(A_new)
                 B.copy_(B_new)
+                finite = bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
         elapsed += time.perf_counter() - t0
-        if not check_finite(A.detach().sum() + B.detach().sum(), t + 1):
+        if not finite:
+            check_finite(A.detach().sum() + B.detach().sum(), t + 1)  # raises unless on_divergence="stop"
+            with torch.no_grad():  # keep the last finite iterate, never return NaN parameters
+                A.copy_(last_A)
+                B.copy_(last_B)
             break
         if bar is not None:
             bar.update(1)
@@ -243,7 +258,7 @@ def train(X, Y, *, steps: int, lr: float, method: str = "structured",
     regularize, precondition, renormalize : switch each structured component on
         (``True``) or off (``False``); ``None`` (the default) means on for
         ``"structured"`` and off otherwise. ``renormalize`` also takes the mode,
-        ``"scale"`` (what ``True`` means) or ``"balance"``.
+        ``"balance"`` (what ``True`` and the structured default mean) or ``"scale"``.
     batch_size : queries per SGD step (default ``max(1, n // 8)``).
     seed : seeds the random initialisation and the SGD minibatches.
     task : if given, the population excess risk and ``dist_P`` are recorded at every step.

@@ -32,20 +32,39 @@ def test_structured_decreases_the_regularized_objective(data):
     A, B = al.random_init(4, 2, scale=0.5, seed=3)
     h = al.train(X, Y, steps=40, lr=0.3, init=(A, B), task=task)
     assert h.objective[-1] < 0.5 * h.objective[0]
-    assert h.config["regularize"] and h.config["precondition"] and h.config["renormalize"] == "scale"
+    assert h.config["regularize"] and h.config["precondition"] and h.config["renormalize"] == "balance"
 
 
 def test_component_switches_change_the_iterates(data):
     task, X, Y = data
     init = al.random_init(4, 2, scale=0.5, seed=3)
     base = al.train(X, Y, steps=5, lr=0.2, init=init)
-    for kw in ({"regularize": False}, {"precondition": False}, {"renormalize": False},
-               {"renormalize": "balance"}):
+    assert base.config["renormalize"] == "balance"
+    for kw in ({"precondition": False}, {"renormalize": False}, {"renormalize": "scale"}):
         other = al.train(X, Y, steps=5, lr=0.2, init=init, **kw)
         assert not torch.allclose(other.A, base.A), kw
+    # from a balanced start (spectral) with balancing renormalisation every iterate is balanced,
+    # where the regularizer's gradient vanishes: switching it off changes nothing
+    spec = al.train(X, Y, steps=5, lr=0.2)
+    no_reg = al.train(X, Y, steps=5, lr=0.2, regularize=False)
+    assert torch.allclose(no_reg.A, spec.A, atol=1e-10) and torch.allclose(no_reg.B, spec.B, atol=1e-10)
+    # without it the regularizer matters
+    a = al.train(X, Y, steps=5, lr=0.2, init=init, renormalize=False)
+    b = al.train(X, Y, steps=5, lr=0.2, init=init, renormalize=False, regularize=False)
+    assert not torch.allclose(a.A, b.A)
     gd_with_all = al.train(X, Y, steps=5, lr=0.2, method="gd", init=init, regularize=True,
-                           precondition=True, renormalize="scale")
+                           precondition=True, renormalize="balance")
     assert torch.allclose(gd_with_all.A, base.A) and torch.allclose(gd_with_all.B, base.B)
+
+
+def test_balancing_renormalisation_keeps_iterates_on_the_balanced_set(data):
+    task = data[0]
+    A, B, _ = al.random_manifold_point(task, seed=1)
+    init = al.perturb(*al.act(A, B, 3 * torch.eye(4, dtype=torch.float64), task), task, 0.1, seed=2)
+    h = al.train_population(task, steps=300, lr=0.3, init=init)
+    assert h.excess[-1] < 1e-12 and h.dist[-1] < 1e-8
+    off = al.train_population(task, steps=300, lr=0.3, init=init, renormalize=False, regularize=False)
+    assert off.dist[-1] > 0.1          # converges to an unbalanced minimum
 
 
 def test_sgd_is_reproducible_from_its_seed(data):
@@ -72,6 +91,9 @@ def test_divergence_raises_or_stops(data):
         al.train_population(task, steps=200, lr=1e4, method="gd", init=init)
     h = al.train_population(task, steps=200, lr=1e4, method="gd", init=init, on_divergence="stop")
     assert h.diverged and len(h) < 201
+    assert torch.isfinite(h.A).all() and torch.isfinite(h.B).all()   # the last finite iterate
+    h = al.train_population(task, steps=200, lr=1e4, init=init, renormalize="scale", on_divergence="stop")
+    assert h.diverged and torch.isfinite(h.A).all()
 
 
 def test_float32_training(data):
