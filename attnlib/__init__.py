@@ -10,7 +10,7 @@ renormalisation). Every function validates its inputs and raises
 from .attention import (attention, attention_limit, attention_reference, attention_weights,
                         effective_sample_size, empirical_loss, finite_n_error,
                         limit_error_prediction)
-from .geometry import (distance_to_manifold, from_factor, manifold_point, p_inner, p_norm,
+from .geometry import (distance_to_manifold, one_point_ratios, orbit_tangent_part, sample_one_point_ratios, from_factor, manifold_point, p_inner, p_norm,
                        perturb, project_to_manifold, random_manifold_point, regularizer, renormalize, to_factor)
 from .fits import PowerLawFit, fit_geometric_rate, fit_power_law
 from .init import random_init, spectral_init
@@ -28,7 +28,7 @@ __all__ = [
     "fit_power_law", "fit_geometric_rate", "PowerLawFit",
     "act", "stationary_point", "hessian", "classify_hessian", "landscape_slice",
     "to_factor", "from_factor", "regularizer", "p_norm", "p_inner", "manifold_point",
-    "random_manifold_point", "perturb", "project_to_manifold", "distance_to_manifold", "renormalize",
+    "random_manifold_point", "perturb", "one_point_ratios", "sample_one_point_ratios", "orbit_tangent_part", "project_to_manifold", "distance_to_manifold", "renormalize",
     "spectral_init", "random_init",
     "sym_sqrt", "sym_inv_sqrt", "polar_factor", "numerical_rank",
     "train", "train_population", "History", "DivergenceError", "METHODS",

@@ -108,3 +108,36 @@ def test_fit_geometric_rate():
     assert al.fit_geometric_rate(steps, 3.0 * 0.9 ** steps) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="positive"):
         al.fit_geometric_rate([0, 1], [1.0, 0.0])
+
+
+def test_one_point_ratios_are_independent_of_sigma_in_the_p_geometry():
+    vals = []
+    for cond in (1.0, 100.0):
+        t = al.Task.random(5, 2, cond=cond, signal=1.0, seed=3)
+        A, B, _ = al.random_manifold_point(t, seed=1)
+        A, B = al.perturb(A, B, t, 0.2, seed=2)
+        vals.append(al.one_point_ratios(A, B, t, lam=1.0))
+    assert vals[0]["alpha_P"] == pytest.approx(vals[1]["alpha_P"], rel=1e-9)
+    assert vals[0]["beta_P"] == pytest.approx(vals[1]["beta_P"], rel=1e-9)
+    assert vals[0]["alpha_P"] > 0 and vals[0]["beta_P"] >= vals[0]["alpha_P"]   # Cauchy-Schwarz
+    assert vals[1]["beta_E"] / vals[1]["alpha_E"] > 10 * vals[0]["beta_E"] / vals[0]["alpha_E"]
+    assert vals[0]["dist_P"] == pytest.approx(0.2, abs=1e-12) or vals[0]["dist_P"] < 0.2
+
+
+def test_one_point_ratios_vanish_at_a_saddle(t3):
+    A, B = al.stationary_point(t3, (0, 1))
+    r = al.one_point_ratios(A, B, t3, lam=1.0)
+    assert abs(r["alpha_P"]) < 1e-10 and r["dist_P"] > 0.1
+    s = al.sample_one_point_ratios(t3, 0.05, 5, seed=0)
+    assert s["alpha_P"].shape == (5,) and np.all(s["alpha_P"] > 0)
+
+
+def test_orbit_tangent_part_separates_rotations(t3):
+    A, B, _ = al.random_manifold_point(t3, seed=0)
+    At, C = al.to_factor(A, B, t3)
+    K = torch.zeros(4, 4, dtype=torch.float64); K[0, 1], K[1, 0] = 1e-3, -1e-3
+    along, across = al.orbit_tangent_part(A, B, *al.from_factor(At @ K, -K @ C, t3), t3)
+    assert float(across) < 1e-12 * float(along) + 1e-18 and float(along) > 0
+    # the radial direction (At, C) is P-orthogonal to every (At K, -K C): tr(K (At^T At - C C^T)) = 0
+    along, across = al.orbit_tangent_part(A, B, 1e-3 * A, 1e-3 * B, t3)
+    assert float(along) < 1e-12 * float(across)
