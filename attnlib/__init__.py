@@ -8,7 +8,7 @@ renormalisation). Every function validates its inputs and raises
 ``ValueError`` naming the offending argument.
 """
 from .attention import (attention, attention_limit, attention_reference, attention_weights,
-                        effective_sample_size, empirical_loss, finite_n_error,
+                        effective_sample_size, empirical_loss, finite_n_error, test_loss,
                         limit_error_prediction)
 from .geometry import (distance_to_manifold, one_point_ratios, orbit_tangent_part, sample_one_point_ratios, from_factor, manifold_point, p_inner, p_norm,
                        perturb, project_to_manifold, random_manifold_point, regularizer, renormalize, to_factor)
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Task", "empirical_task", "make_generator",
     "attention", "attention_reference", "attention_weights", "attention_limit", "empirical_loss",
-    "effective_sample_size", "limit_error_prediction", "finite_n_error",
+    "effective_sample_size", "limit_error_prediction", "finite_n_error", "test_loss",
     "fit_power_law", "fit_geometric_rate", "PowerLawFit",
     "act", "stationary_point", "hessian", "classify_hessian", "landscape_slice",
     "to_factor", "from_factor", "regularizer", "p_norm", "p_inner", "manifold_point",

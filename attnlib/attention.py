@@ -34,6 +34,7 @@ __all__ = [
     "effective_sample_size",
     "limit_error_prediction",
     "finite_n_error",
+    "test_loss",
 ]
 
 
@@ -173,3 +174,16 @@ def finite_n_error(task, A, B, ns, *, queries, n_seeds: int = 8, seed: int = 0) 
                 for s in range(n_seeds)]
         out.append(torch.stack(errs).mean(0))
     return torch.stack(out)
+
+
+def test_loss(A, B, task, n: int, *, n_sequences: int = 4, seed: int = 0) -> float:
+    """Mean empirical loss of the finite layer on ``n_sequences`` fresh sequences of length ``n``.
+
+    This is what a user of the trained finite-n layer sees on new data of the
+    same length (seeds ``seed, seed + 1, ...``). Runs without gradients.
+    """
+    if int(n_sequences) < 1:
+        raise ValueError(f"n_sequences: expected an integer >= 1, got {n_sequences!r}")
+    with torch.no_grad():
+        vals = [float(empirical_loss(A, B, *task.sample(int(n), seed=seed + s))) for s in range(int(n_sequences))]
+    return sum(vals) / len(vals)

@@ -140,6 +140,7 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
     opt = torch.optim.Adam([A, B], lr=lr) if method == "adam" else None
     gen = make_generator(seed, name="seed") if method == "sgd" else None
     eval_task = task.to(dtype=A.dtype, device=A.device) if task is not None else None
+    overflow = float(torch.finfo(A.dtype).max) ** 0.5
 
     def objective(idx):
         loss = loss_fn(A, B, idx)
@@ -157,15 +158,22 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
         return ok
 
     def record(t, loss, obj, gnorm, elapsed):
+        """Append one row; False (divergence) if the population excess is no longer finite."""
+        if eval_task is not None:
+            with torch.no_grad():
+                ex = float(eval_task.excess_risk(A, B))
+                # The finite-n loss stays bounded when B blows up (hard attention); the population excess
+                # does not. Past sqrt(finfo.max) the next matrix products overflow: call it a divergence.
+                if not ex <= overflow:
+                    return check_finite(torch.tensor(float("inf")), t)
+                hist.excess.append(ex)
+                hist.dist.append(float(distance_to_manifold(A, B, eval_task)))
         hist.steps.append(t)
         hist.loss.append(float(loss))
         hist.objective.append(float(obj))
         hist.grad_norm.append(float(gnorm) if gnorm is not None else float("nan"))
         hist.time.append(elapsed)
-        if eval_task is not None:
-            with torch.no_grad():
-                hist.excess.append(float(eval_task.excess_risk(A, B)))
-                hist.dist.append(float(distance_to_manifold(A, B, eval_task)))
+        return True
 
     elapsed = 0.0
     if progress:
@@ -189,7 +197,8 @@ def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps
         if rec:
             if not check_finite(full_obj.detach(), t):
                 break
-            record(t, full_loss.detach(), full_obj.detach(), gnorm, elapsed)
+            if not record(t, full_loss.detach(), full_obj.detach(), gnorm, elapsed):
+                break
         if t == steps:
             break
         t0 = time.perf_counter()

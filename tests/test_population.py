@@ -1,6 +1,8 @@
 """Closed-form population loss: Monte Carlo, gradients, change of variables."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -120,3 +122,15 @@ def test_empirical_task_recovers_least_squares():
     assert torch.allclose(emp.Sigma, X.T @ X / 20_000)
     assert torch.allclose(emp.M, torch.linalg.lstsq(X, Y).solution.T, atol=1e-10)
     assert emp.noise_std == pytest.approx(0.1, rel=0.03)
+
+
+def test_test_loss_on_fresh_sequences():
+    task = al.Task.random(4, 2, cond=4.0, signal=0.5, noise_std=0.2, seed=2)
+    A, B, _ = al.random_manifold_point(task, seed=3)
+    tl = al.test_loss(A, B, task, 4096, n_sequences=6, seed=10)
+    by_hand = np.mean([float(al.empirical_loss(A, B, *task.sample(4096, seed=10 + s))) for s in range(6)])
+    assert tl == pytest.approx(by_hand, rel=1e-12)
+    # at a population minimum the finite layer's test loss exceeds the Bayes risk, but not by much
+    assert task.bayes_risk < tl < 1.5 * task.bayes_risk
+    with pytest.raises(ValueError, match="n_sequences"):
+        al.test_loss(A, B, task, 100, n_sequences=0)
