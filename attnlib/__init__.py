@@ -17,7 +17,7 @@ from .init import random_init, spectral_init
 from .landscape import act, classify_hessian, hessian, landscape_slice, stationary_point
 from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
 from .task import Task, empirical_task, make_generator
-from .train import METHODS, DivergenceError, History, train, train_population
+from .train import METHODS, DivergenceError, History, best_of_grid, train, train_population
 
 __version__ = "0.1.0"
 
@@ -31,5 +31,5 @@ __all__ = [
     "random_manifold_point", "perturb", "one_point_ratios", "sample_one_point_ratios", "orbit_tangent_part", "project_to_manifold", "distance_to_manifold", "renormalize",
     "spectral_init", "random_init",
     "sym_sqrt", "sym_inv_sqrt", "polar_factor", "numerical_rank",
-    "train", "train_population", "History", "DivergenceError", "METHODS",
+    "train", "train_population", "best_of_grid", "History", "DivergenceError", "METHODS",
 ]

@@ -13,7 +13,6 @@ Model (see the book's chapter on the population loss):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Tuple
 

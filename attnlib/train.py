@@ -38,7 +38,7 @@ from .geometry import distance_to_manifold, regularizer, renormalize as _renorma
 from .init import random_init, spectral_init
 from .task import Task, check_samples, empirical_task, make_generator
 
-__all__ = ["train", "train_population", "History", "DivergenceError", "METHODS"]
+__all__ = ["train", "train_population", "best_of_grid", "History", "DivergenceError", "METHODS"]
 
 METHODS = ("structured", "gd", "sgd", "adam")
 
@@ -353,3 +353,26 @@ def train_population(task: Task, *, steps: int, lr: float, method: str = "struct
                 lam=lam, regularize=regularize, precondition=precondition, renormalize=renormalize,
                 batch_size=None, seed=seed, task=task, record_every=record_every, progress=progress,
                 on_divergence=on_divergence, config=config)
+
+
+def best_of_grid(run: Callable[..., History], lrs, *, score: Optional[Callable[[History], Optional[float]]] = None
+                 ) -> Optional[History]:
+    """Run ``run(lr=lr, on_divergence="stop")`` for each step size in ``lrs`` and return the best History.
+
+    ``score(h)`` ranks runs (lower is better; ``None`` disqualifies a run); the
+    default is the final training objective. Diverged runs are disqualified.
+    Returns ``None`` if no run qualifies. This is the documented step-size
+    selection of the book's comparisons: every method gets the same criterion.
+    """
+    if score is None:
+        def score(h):
+            return h.objective[-1]
+    best, best_score = None, None
+    for lr in lrs:
+        h = run(lr=lr, on_divergence="stop")
+        if h.diverged:
+            continue
+        s = score(h)
+        if s is not None and (best_score is None or s < best_score):
+            best, best_score = h, s
+    return best

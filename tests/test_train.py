@@ -121,14 +121,10 @@ def test_preconditioned_descent_is_insensitive_to_conditioning():
         init = _near(task)
         h = al.train_population(task, steps=400, lr=0.5, init=init)
         counts.append(h.steps_to(1e-10))
-        best = None
-        for lr in (0.01, 0.03, 0.1, 0.3, 1.0):
-            g = al.train_population(task, steps=2000, lr=lr, method="gd", init=init,
-                                    record_every=10, on_divergence="stop")
-            s = g.steps_to(1e-10)
-            if s is not None and not g.diverged:
-                best = s if best is None else min(best, s)
-        gd_best.append(best)
+        g = al.best_of_grid(lambda **kw: al.train_population(task, steps=2000, method="gd", init=init,
+                                                              record_every=10, **kw),
+                            (0.01, 0.03, 0.1, 0.3, 1.0), score=lambda h: h.steps_to(1e-10))
+        gd_best.append(None if g is None else g.steps_to(1e-10))
     assert all(c is not None for c in counts), counts
     assert max(counts) <= 1.1 * min(counts), counts
     assert gd_best[0] is not None and gd_best[0] <= 3 * counts[0], gd_best
@@ -153,3 +149,13 @@ def test_train_on_cuda(data):
     task, X, Y = data
     h = al.train(X, Y, steps=3, lr=0.5, device="cuda", task=task)
     assert h.A.device.type == "cuda"
+
+
+def test_best_of_grid_picks_the_lowest_score_and_skips_divergence(data):
+    task = data[0]
+    init = al.random_init(4, 2, scale=1.0, seed=0)
+    run = lambda **kw: al.train_population(task, steps=50, method="gd", init=init, **kw)
+    best = al.best_of_grid(run, [1e-3, 1e-2, 1e4])
+    assert best.config["lr"] == 1e-2 and not best.diverged
+    assert al.best_of_grid(run, [1e4]) is None
+    assert al.best_of_grid(run, [1e-3, 1e-2], score=lambda h: -h.objective[-1]).config["lr"] == 1e-3
