@@ -12,6 +12,7 @@ from .attention import (attention, attention_limit, attention_reference, attenti
                         limit_error_prediction)
 from .geometry import (distance_to_manifold, one_point_ratios, orbit_tangent_part, sample_one_point_ratios, from_factor, manifold_point, p_inner, p_norm,
                        perturb, project_to_manifold, random_manifold_point, regularizer, renormalize, to_factor)
+from . import exercises
 from .fits import PowerLawFit, fit_geometric_rate, fit_power_law
 from .init import random_init, spectral_init
 from .landscape import act, classify_hessian, hessian, landscape_slice, stationary_point
