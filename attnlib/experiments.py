@@ -166,13 +166,15 @@ def fit_floor(rows, noise_std: float, *, column: str = "excess", step: Optional[
     return fit
 
 
-def fit_optimisation_rate(rows, n: int, noise_std: float, *, rel_hi: float = 1e-1, margin: float = 100.0) -> float:
-    """Geometric rate ``mu`` of the optimisation term at one ``n``.
+def fit_optimisation_rate(rows, n: int, noise_std: float, *, start: int = 1, rtol: float = 1e-11) -> float:
+    """Geometric rate ``mu`` of the optimisation term at one ``n``, from the training objective.
 
-    Uses the training-objective gap ``obj_m - obj_last`` averaged over seeds. The
-    last step stands in for the limit, so only steps whose gap is at least
-    ``margin`` times the gap of the second-to-last step are used, and, to skip the
-    transient, only those with ``gap / gap_0 < rel_hi``.
+    Averages the objective over seeds, takes the successive decrements
+    ``d_m = Q_m - Q_{m+1}`` from step ``start`` on (the first step is a fast
+    transient) and fits ``d_m ~ c mu^m``. A geometric sequence has geometric
+    decrements with the same ``mu``, so no estimate of the limit is needed. The
+    fit stops at the first decrement below ``rtol * |Q_m|`` (rounding level).
+    ``mu >= 1`` means the decrements do not shrink: no geometric convergence.
     """
     per_seed: Dict[int, Dict[int, float]] = {}
     for r in rows:
@@ -180,14 +182,18 @@ def fit_optimisation_rate(rows, n: int, noise_std: float, *, rel_hi: float = 1e-
             per_seed.setdefault(int(r["seed"]), {})[int(r["step"])] = r["objective"]
     if not per_seed:
         raise ValueError(f"n, noise_std: no runs with n = {n}, noise_std = {noise_std}")
+    start = int(start)
+    if start < 0:
+        raise ValueError(f"start: expected a step >= 0, got {start}")
     steps = sorted(set.intersection(*[set(v) for v in per_seed.values()]))
-    gaps = np.mean([[v[s] - v[steps[-1]] for s in steps] for v in per_seed.values()], axis=0)
-    steps = np.array(steps[:-1]); gaps = gaps[:-1]
-    rel = gaps / gaps[0]
-    phase = (rel < rel_hi) & (gaps > margin * abs(gaps[-1])) & (gaps > 0)
-    if phase.sum() < 3:
-        raise ValueError("rows: fewer than three steps in the geometric phase; run more steps")
-    return fit_geometric_rate(steps[phase], gaps[phase])
+    steps = [s for s in steps if s >= start]
+    Q = np.mean([[v[s] for s in steps] for v in per_seed.values()], axis=0)
+    d = Q[:-1] - Q[1:]
+    ok = d > rtol * np.abs(Q[:-1])
+    stop = int(np.argmin(ok)) if not ok.all() else len(d)
+    if stop < 3:
+        raise ValueError("rows: fewer than three decreasing steps after `start`; run more steps")
+    return fit_geometric_rate(np.array(steps[:stop]), d[:stop])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
