@@ -86,8 +86,8 @@ def test_one_solved_exercise_earns_exactly_its_points(releases, tmp_path):
                 if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
     for cell in student.cells:  # the student solves exercise 2.2 only (2 points)
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-2-solution":
-            cell.source = solution["ex2-2-solution"].replace("### BEGIN SOLUTION\n", "").replace(
-                "    ### END SOLUTION", "")
+            cell.source = "\n".join(line for line in solution["ex2-2-solution"].splitlines()
+                                     if "SOLUTION" not in line)
     sub = tmp_path / "submission.ipynb"
     nbformat.write(student, str(sub))
     report = course.grade("ch2_population", sub)
