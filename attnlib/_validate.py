@@ -4,6 +4,7 @@ Every check raises :class:`ValueError` with a message that names the argument
 and says what was expected, so that a wrong call fails loudly instead of
 returning NaN further down the line.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -15,6 +16,7 @@ __all__ = [
     "as_tensor",
     "check_matrix",
     "check_spd",
+    "check_samples",
     "check_positive_int",
     "check_nonneg_float",
     "resolve_dtype",
@@ -65,13 +67,16 @@ def as_tensor(x, name: str, *, dtype=None, device=None) -> torch.Tensor:
     else:
         raise ValueError(f"{name}: expected a torch.Tensor or array, got {type(x).__name__}")
     if dtype is not None or device is not None:
-        t = t.to(dtype=resolve_dtype(dtype) if dtype is not None else t.dtype,
-                 device=resolve_device(device) if device is not None else t.device)
+        t = t.to(
+            dtype=resolve_dtype(dtype) if dtype is not None else t.dtype,
+            device=resolve_device(device) if device is not None else t.device,
+        )
     return t
 
 
-def check_matrix(x, name: str, shape: Optional[Sequence[Optional[int]]] = None, *,
-                 dtype=None, device=None, finite: bool = True) -> torch.Tensor:
+def check_matrix(
+    x, name: str, shape: Optional[Sequence[Optional[int]]] = None, *, dtype=None, device=None, finite: bool = True
+) -> torch.Tensor:
     """Validate a matrix (or array of given ``shape``; ``None`` entries are free).
 
     Raises ``ValueError`` naming ``name`` if the number of dimensions, a fixed
@@ -83,7 +88,8 @@ def check_matrix(x, name: str, shape: Optional[Sequence[Optional[int]]] = None, 
         if t.dim() != len(shape):
             raise ValueError(
                 f"{name}: expected a {len(shape)}-dimensional array of shape {_fmt_shape(shape)}, "
-                f"got shape {tuple(t.shape)}")
+                f"got shape {tuple(t.shape)}"
+            )
         for got, want in zip(t.shape, shape):
             if want is not None and got != want:
                 raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {tuple(t.shape)}")
@@ -107,13 +113,26 @@ def check_spd(S, name: str = "Sigma", *, dtype=None, device=None) -> torch.Tenso
     tol = 1e-4 if S.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-6
     scale = S.abs().max().clamp_min(torch.finfo(S.dtype).tiny)
     if float((S - S.T).abs().max() / scale) > tol:
-        raise ValueError(f"{name}: expected a symmetric matrix (max |S - S^T| / max |S| = "
-                         f"{float((S - S.T).abs().max() / scale):.2e})")
+        raise ValueError(
+            f"{name}: expected a symmetric matrix (max |S - S^T| / max |S| = "
+            f"{float((S - S.T).abs().max() / scale):.2e})"
+        )
     S = 0.5 * (S + S.T)
     lmin = float(torch.linalg.eigvalsh(S.to(torch.float64)).min())
     if not lmin > 0:
         raise ValueError(f"{name}: expected a positive definite matrix, smallest eigenvalue is {lmin:.3e}")
     return S
+
+
+def check_samples(X, Y=None):
+    """Validate a sample ``X`` (n, d) and optionally ``Y`` (n, k) on the same dtype/device; returns ``(X, Y)``."""
+    X = check_matrix(X, "X", (None, None))
+    if X.shape[0] < 1 or X.shape[1] < 1:
+        raise ValueError(f"X: expected a non-empty (n, d) array, got shape {tuple(X.shape)}")
+    if Y is None:
+        return X, None
+    Y = check_matrix(Y, "Y", (X.shape[0], None), dtype=X.dtype, device=X.device)
+    return X, Y
 
 
 def check_positive_int(v, name: str, *, minimum: int = 1) -> int:

@@ -14,6 +14,7 @@ of the same length) and ``spectral_excess`` at step 0 (the spectral
 initialisation). Runs already in the output file are skipped, so an
 interrupted sweep resumes where it stopped; progress is shown with tqdm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,21 +22,31 @@ import csv
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ._validate import check_positive_int, resolve_device, resolve_dtype
-from .attention import test_loss
+from .finite_n import heldout_loss
 from .fits import fit_geometric_rate, fit_power_law
 from .init import spectral_init
+from .rng import derive_seed
 from .task import Task
 from .train import train
 
-__all__ = ["ScalingConfig", "QUICK", "FULL", "run_scaling", "read_rows", "floor_by_run", "fit_floor",
-           "fit_optimisation_rate", "main"]
+__all__ = [
+    "ScalingConfig",
+    "QUICK",
+    "FULL",
+    "run_scaling",
+    "read_rows",
+    "floor_by_run",
+    "fit_floor",
+    "fit_optimisation_rate",
+    "main",
+]
 
 COLUMNS = ["n", "noise_std", "seed", "step", "excess", "dist", "objective", "time_s", "test_loss", "diverged"]
 
@@ -58,8 +69,16 @@ class ScalingConfig:
     dtype: str = "float64"
 
     def task(self, noise_std: float, device=None) -> Task:
-        return Task.random(self.d, self.k, cond=self.cond, signal=self.signal, noise_std=noise_std,
-                           seed=self.task_seed, dtype=resolve_dtype(self.dtype), device=resolve_device(device))
+        return Task.random(
+            self.d,
+            self.k,
+            cond=self.cond,
+            signal=self.signal,
+            noise_std=noise_std,
+            seed=self.task_seed,
+            dtype=resolve_dtype(self.dtype),
+            device=resolve_device(device),
+        )
 
 
 FULL = ScalingConfig()
@@ -81,8 +100,13 @@ def run_scaling(config: ScalingConfig, out: str, *, device=None, progress: bool 
     """
     device = resolve_device(device)
     done = _done_runs(out)
-    todo = [(n, s2, seed) for n in config.ns for s2 in config.noise_stds for seed in config.seeds
-            if (int(n), float(s2), int(seed)) not in done]
+    todo = [
+        (n, s2, seed)
+        for n in config.ns
+        for s2 in config.noise_stds
+        for seed in config.seeds
+        if (int(n), float(s2), int(seed)) not in done
+    ]
     new_file = not os.path.exists(out) or os.path.getsize(out) == 0
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -96,19 +120,30 @@ def run_scaling(config: ScalingConfig, out: str, *, device=None, progress: bool 
         # smallest n first, so an interrupted sweep has the cheap part of the grid
         for n, noise, seed in tqdm(sorted(todo), desc="scaling runs", disable=not progress):
             task = config.task(noise, device)
-            X, Y = task.sample(int(n), seed=10_000 + int(seed))
-            h = train(X, Y, steps=config.steps, lr=config.lr, method="structured", task=task,
-                      on_divergence="stop")
+            X, Y = task.sample(int(n), seed=derive_seed(int(seed), "sequence"))
+            h = train(X, Y, steps=config.steps, lr=config.lr, method="structured", task=task, on_divergence="stop")
             tl0 = tl1 = float("nan")
             if h.steps:
-                tl1 = test_loss(h.A, h.B, task, int(n), n_sequences=config.test_sequences, seed=20_000 + 97 * int(seed))
+                tl1 = heldout_loss(h.A, h.B, task, int(n), n_sequences=config.test_sequences, seed=int(seed))
                 A0, B0 = spectral_init(X, Y)
-                tl0 = test_loss(A0, B0, task, int(n), n_sequences=config.test_sequences, seed=20_000 + 97 * int(seed))
+                tl0 = heldout_loss(A0, B0, task, int(n), n_sequences=config.test_sequences, seed=int(seed))
             last = len(h.steps) - 1
             for i, st in enumerate(h.steps):
                 tl = tl0 if i == 0 else (tl1 if i == last else float("nan"))
-                writer.writerow([int(n), float(noise), int(seed), int(st), repr(h.excess[i]), repr(h.dist[i]),
-                                 repr(h.objective[i]), repr(h.time[i]), repr(tl), int(h.diverged)])
+                writer.writerow(
+                    [
+                        int(n),
+                        float(noise),
+                        int(seed),
+                        int(st),
+                        repr(h.excess[i]),
+                        repr(h.dist[i]),
+                        repr(h.objective[i]),
+                        repr(h.time[i]),
+                        repr(tl),
+                        int(h.diverged),
+                    ]
+                )
             fh.flush()
     return {"runs": len(todo), "skipped": len(done), "wall_s": time.perf_counter() - t_start}
 
@@ -125,8 +160,9 @@ def read_rows(path: str) -> List[Dict[str, float]]:
     return rows
 
 
-def floor_by_run(rows: Iterable[Dict[str, float]], column: str = "excess", step: Optional[int] = None
-                 ) -> Dict[Tuple[int, float, int], float]:
+def floor_by_run(
+    rows: Iterable[Dict[str, float]], column: str = "excess", step: Optional[int] = None
+) -> Dict[Tuple[int, float, int], float]:
     """Value of ``column`` at ``step`` (default: the last step of each run), keyed by ``(n, noise_std, seed)``."""
     best: Dict[Tuple[int, float, int], Tuple[int, float]] = {}
     for r in rows:
@@ -140,9 +176,17 @@ def floor_by_run(rows: Iterable[Dict[str, float]], column: str = "excess", step:
     return {k: v for k, (_, v) in best.items()}
 
 
-def fit_floor(rows, noise_std: float, *, column: str = "excess", step: Optional[int] = None,
-              n_boot: int = 1000, seed: int = 0):
-    """Power-law fit of ``column`` against ``n`` over all runs at ``noise_std`` with a bootstrap CI.
+def fit_floor(
+    rows,
+    noise_std: float,
+    *,
+    column: str = "excess",
+    step: Optional[int] = None,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+):
+    """Power-law fit of ``column`` against ``n`` over all runs at ``noise_std`` with a bootstrap CI at ``level``.
 
     The bootstrap resamples seeds within each ``n`` (runs are the independent
     units); returns a :class:`~attnlib.fits.PowerLawFit`.
@@ -150,7 +194,10 @@ def fit_floor(rows, noise_std: float, *, column: str = "excess", step: Optional[
     vals = {k: v for k, v in floor_by_run(rows, column, step).items() if k[1] == float(noise_std)}
     if not vals:
         raise ValueError(f"noise_std: no runs with noise_std = {noise_std}")
-    ns = np.array([k[0] for k in vals]); ys = np.array(list(vals.values()))
+    if not 0 < float(level) < 1:
+        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
+    ns = np.array([k[0] for k in vals])
+    ys = np.array(list(vals.values()))
     fit = fit_power_law(ns, ys)
     rng = np.random.default_rng(seed)
     groups = {n: ys[ns == n] for n in np.unique(ns)}
@@ -159,9 +206,10 @@ def fit_floor(rows, noise_std: float, *, column: str = "excess", step: Optional[
         xb, yb = [], []
         for n, g in groups.items():
             pick = g[rng.integers(0, len(g), len(g))]
-            xb.extend([n] * len(g)); yb.extend(pick)
+            xb.extend([n] * len(g))
+            yb.extend(pick)
         slopes.append(fit_power_law(xb, yb).slope)
-    lo, hi = np.quantile(slopes, [0.025, 0.975])
+    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
     fit.ci = (float(lo), float(hi))
     return fit
 
@@ -197,8 +245,9 @@ def fit_optimisation_rate(rows, n: int, noise_std: float, *, start: int = 1, rto
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnlib.experiments", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m attnlib.experiments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("scaling", help="sweep n, noise and seeds; excess along the iterations")
     s.add_argument("--out", required=True, help="CSV file (appended to; existing runs are skipped)")
@@ -211,11 +260,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.ns:
-        cfg = ScalingConfig(**{**cfg.__dict__, "ns": tuple(args.ns)})
+        cfg = replace(cfg, ns=tuple(args.ns))
     if args.seeds:
-        cfg = ScalingConfig(**{**cfg.__dict__, "seeds": tuple(range(check_positive_int(args.seeds, "--seeds")))})
+        cfg = replace(cfg, seeds=tuple(range(check_positive_int(args.seeds, "--seeds"))))
     if args.steps:
-        cfg = ScalingConfig(**{**cfg.__dict__, "steps": check_positive_int(args.steps, "--steps")})
+        cfg = replace(cfg, steps=check_positive_int(args.steps, "--steps"))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device: CUDA was requested but torch.cuda.is_available() is False")
     info = run_scaling(cfg, args.out, device=args.device, progress=not args.no_progress)

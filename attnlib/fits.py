@@ -1,4 +1,5 @@
 """Fits on log scales: power laws and geometric rates."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ def _clean(x, y, name_x="x", name_y="y"):
     return x, y
 
 
-def fit_power_law(x: Sequence[float], y: Sequence[float], *, n_boot: int = 0, seed: int = 0,
-                  level: float = 0.95) -> PowerLawFit:
+def fit_power_law(
+    x: Sequence[float], y: Sequence[float], *, n_boot: int = 0, seed: int = 0, level: float = 0.95
+) -> PowerLawFit:
     """Least-squares line through ``(log x, log y)``.
 
     ``stderr`` is the ordinary least-squares standard error of the slope. With
@@ -51,7 +53,7 @@ def fit_power_law(x: Sequence[float], y: Sequence[float], *, n_boot: int = 0, se
     resid = ly - (slope * lx + icpt)
     dof = max(len(lx) - 2, 1)
     sxx = np.sum((lx - lx.mean()) ** 2)
-    stderr = float(np.sqrt(np.sum(resid ** 2) / dof / sxx)) if sxx > 0 else float("inf")
+    stderr = float(np.sqrt(np.sum(resid**2) / dof / sxx)) if sxx > 0 else float("inf")
     ci = None
     if n_boot > 0:
         rng = np.random.default_rng(seed)

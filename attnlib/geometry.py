@@ -17,15 +17,17 @@ the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm projection onto
 Functions that need the covariance accept either a matrix ``Sigma`` or a
 :class:`~attnlib.task.Task` (whose cached square roots are then reused).
 """
+
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
 from ._validate import check_matrix, check_nonneg_float, check_spd
 from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
-from .task import Task, make_generator
+from .rng import make_generator
+from .task import SigmaLike, Task
 
 __all__ = [
     "to_factor",
@@ -39,12 +41,8 @@ __all__ = [
     "distance_to_manifold",
     "renormalize",
     "perturb",
-    "one_point_ratios",
-    "sample_one_point_ratios",
-    "orbit_tangent_part",
+    "SigmaLike",
 ]
-
-SigmaLike = Union[torch.Tensor, Task]
 
 
 class _Roots:
@@ -131,8 +129,7 @@ def manifold_point(task: Task, W) -> Tuple[torch.Tensor, torch.Tensor]:
     return from_factor(At, C, task)
 
 
-def random_manifold_point(task: Task, *, seed: Optional[int] = None,
-                          generator: Optional[torch.Generator] = None):
+def random_manifold_point(task: Task, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None):
     """A balanced minimum with a Haar-random ``W`` (d x r); returns ``(A, B, W)``."""
     g = make_generator(seed, generator)
     G = torch.randn(task.d, task.rank, generator=g, dtype=torch.float64)
@@ -207,8 +204,9 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     return At_b @ R.inv_half, R.inv_half @ C_b.T @ R.inv_half
 
 
-def perturb(A, B, Sigma: SigmaLike, radius: float, *, seed: Optional[int] = None,
-            generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def perturb(
+    A, B, Sigma: SigmaLike, radius: float, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(A, B)`` moved by a uniformly random direction of P-norm exactly ``radius``.
 
     The direction is Gaussian in the coordinates ``(At, C)``, normalised to
@@ -221,89 +219,3 @@ def perturb(A, B, Sigma: SigmaLike, radius: float, *, seed: Optional[int] = None
     dC = torch.randn(C.shape, generator=g, dtype=torch.float64).to(C)
     nrm = torch.sqrt(dAt.square().sum() + dC.square().sum())
     return from_factor(At + radius * dAt / nrm, C + radius * dC / nrm, Sigma)
-
-
-def one_point_ratios(A, B, task: Task, lam: float = 1.0) -> dict:
-    r"""One-point strong-convexity and smoothness ratios of ``Q = L + R_lam`` at ``(A, B)``.
-
-    With ``theta* = proj(theta)`` the P-projection onto the balanced minima and
-    ``Delta = theta - theta*``:
-
-    * P-geometry (``grad_P`` is the gradient in ``(At, C)``, i.e. the preconditioned gradient):
-      ``alpha_P = <grad_P Q, Delta>_P / ||Delta||_P^2``, ``beta_P = ||grad_P Q||_P^2 / <grad_P Q, Delta>_P``;
-    * Euclidean geometry in ``(A, B)`` (same ``Delta``):
-      ``alpha_E = <grad Q, Delta> / ||Delta||^2``, ``beta_E = ||grad Q||^2 / <grad Q, Delta>``.
-
-    One-point strong convexity and smoothness hold at the point with constants
-    ``alpha <= alpha_*`` and ``beta >= beta_*``; a gradient step of size ``1/beta`` then
-    contracts the distance by ``sqrt(1 - alpha/beta)``. ``beta_*`` is ``inf`` when the
-    inner product is not positive. Returns a dict with the four ratios and ``dist_P``.
-    """
-    if not isinstance(task, Task):
-        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
-    lam = check_nonneg_float(lam, "lam")
-    A, B = _params(A, B, task.d, ref=task.Sigma)
-    Ap, Bp = project_to_manifold(A, B, task)
-    A_ = A.detach().clone().requires_grad_(True)
-    B_ = B.detach().clone().requires_grad_(True)
-    Q = task.excess_risk(A_, B_) + regularizer(A_, B_, task, lam)
-    gA, gB = torch.autograd.grad(Q, (A_, B_))
-    dA, dB = A - Ap, B - Bp
-    Sih = task.Sigma_inv_sqrt
-    gAt, gC = gA @ Sih, Sih @ gB.T @ Sih          # gradient with respect to (At, C)
-    dAt, dC = to_factor(dA, dB, task)
-    ipP = float((gAt * dAt).sum() + (gC * dC).sum())
-    d2P = float((dAt ** 2).sum() + (dC ** 2).sum())
-    g2P = float((gAt ** 2).sum() + (gC ** 2).sum())
-    ipE = float((gA * dA).sum() + (gB * dB).sum())
-    d2E = float((dA ** 2).sum() + (dB ** 2).sum())
-    g2E = float((gA ** 2).sum() + (gB ** 2).sum())
-    inf = float("inf")
-    return {
-        "dist_P": d2P ** 0.5,
-        "alpha_P": ipP / d2P if d2P > 0 else inf,
-        "beta_P": g2P / ipP if ipP > 0 else inf,
-        "alpha_E": ipE / d2E if d2E > 0 else inf,
-        "beta_E": g2E / ipE if ipE > 0 else inf,
-    }
-
-
-def sample_one_point_ratios(task: Task, radius: float, n_samples: int, *, lam: float = 1.0,
-                            seed: int = 0) -> dict:
-    """:func:`one_point_ratios` at ``n_samples`` random points: a random balanced minimum moved by a
-    random direction of P-norm ``radius`` (seeds ``seed, seed + 1, ...``). Returns a dict of numpy arrays."""
-    import numpy as np
-
-    out = {k: [] for k in ("dist_P", "alpha_P", "beta_P", "alpha_E", "beta_E")}
-    for i in range(int(n_samples)):
-        A, B, _ = random_manifold_point(task, seed=seed + 2 * i)
-        A, B = perturb(A, B, task, radius, seed=seed + 2 * i + 1)
-        for key, val in one_point_ratios(A, B, task, lam).items():
-            out[key].append(val)
-    return {k: np.asarray(v) for k, v in out.items()}
-
-
-def orbit_tangent_part(A, B, dA, dB, Sigma: SigmaLike) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""Split a step ``(dA, dB)`` at ``(A, B)`` into its part along the rotation orbit and the rest.
-
-    The orbit ``(At O, O^T C)``, ``O`` orthogonal, has tangent space
-    ``{(At K, -K C) : K = -K^T}`` in the coordinates ``(At, C)``. Returns the P-norms
-    ``(along, across)`` of the P-orthogonal projection of the step onto that
-    tangent space and of the remainder.
-    """
-    At, C = to_factor(A, B, Sigma)
-    dAt, dC = to_factor(dA, dB, Sigma)
-    d = At.shape[1]
-    cols = []
-    for i in range(d):
-        for j in range(i + 1, d):
-            K = torch.zeros(d, d, dtype=At.dtype, device=At.device)
-            K[i, j], K[j, i] = 1.0, -1.0
-            cols.append(torch.cat([(At @ K).reshape(-1), (-K @ C).reshape(-1)]))
-    v = torch.cat([dAt.reshape(-1), dC.reshape(-1)])
-    if not cols:
-        return v.new_zeros(()), torch.linalg.norm(v)
-    Tm = torch.stack(cols, 1)
-    coef = torch.linalg.lstsq(Tm, v[:, None]).solution
-    along = Tm @ coef[:, 0]
-    return torch.linalg.norm(along), torch.linalg.norm(v - along)

@@ -1,13 +1,15 @@
 """Initialisations: the spectral initialisation of Algorithm 1 and a seeded random one."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
-from ._validate import check_nonneg_float, check_positive_int, resolve_device, resolve_dtype
+from ._validate import check_nonneg_float, check_positive_int, check_samples, resolve_device, resolve_dtype
 from .geometry import from_factor
-from .task import check_samples, empirical_task, make_generator
+from .rng import make_generator
+from .task import empirical_task
 
 __all__ = ["spectral_init", "random_init"]
 
@@ -43,16 +45,23 @@ def spectral_init(X, Y, rank: Optional[int] = None) -> Tuple[torch.Tensor, torch
     return from_factor(At0, C0, emp)
 
 
-def random_init(d: int, k: int, *, scale: float = 1e-2, seed: Optional[int] = None,
-                generator: Optional[torch.Generator] = None, dtype=None,
-                device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def random_init(
+    d: int,
+    k: int,
+    *,
+    scale: float = 1e-2,
+    seed: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    dtype=None,
+    device=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random ``(A, B)`` with i.i.d. ``N(0, scale^2 / d)`` entries (``A``: k x d, ``B``: d x d)."""
     d = check_positive_int(d, "d")
     k = check_positive_int(k, "k")
     scale = check_nonneg_float(scale, "scale")
     g = make_generator(seed, generator)
     f64 = torch.float64
-    A = torch.randn(k, d, generator=g, dtype=f64) * (scale / d ** 0.5)
-    B = torch.randn(d, d, generator=g, dtype=f64) * (scale / d ** 0.5)
+    A = torch.randn(k, d, generator=g, dtype=f64) * (scale / d**0.5)
+    B = torch.randn(d, d, generator=g, dtype=f64) * (scale / d**0.5)
     dtype, device = resolve_dtype(dtype), resolve_device(device)
     return A.to(device, dtype), B.to(device, dtype)

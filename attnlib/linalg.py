@@ -1,4 +1,5 @@
 """Small matrix functions used throughout: symmetric square roots and the polar factor."""
+
 from __future__ import annotations
 
 import torch

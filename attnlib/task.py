@@ -10,38 +10,28 @@ Model (see the book's chapter on the population loss):
   .. math:: L(A, B) = L^* + \tfrac12 \| (A \Sigma B^\top - M) \Sigma^{1/2} \|_F^2,
             \qquad L^* = k \sigma^2 / 2 .
 """
+
 from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
-from ._validate import (check_matrix, check_nonneg_float, check_positive_int, check_spd,
-                        resolve_device, resolve_dtype)
+from ._validate import (
+    check_matrix,
+    check_nonneg_float,
+    check_positive_int,
+    check_samples,
+    check_spd,
+    resolve_device,
+    resolve_dtype,
+)
 from .linalg import numerical_rank, sym_inv_sqrt, sym_sqrt
+from .rng import make_generator
 
-__all__ = ["Task", "empirical_task", "make_generator"]
-
-
-def make_generator(seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                   *, name: str = "seed") -> torch.Generator:
-    """Return a CPU ``torch.Generator``: ``generator`` if given, else one seeded with ``seed``.
-
-    Every random draw in attnlib goes through this function; calling it with
-    neither argument raises ``ValueError`` so that no result depends on global
-    random state.
-    """
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-        return generator
-    if seed is None:
-        raise ValueError(f"{name}: an explicit integer seed (or a torch.Generator) is required for reproducibility")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{name}: expected a non-negative integer, got {seed!r}")
-    return torch.Generator(device="cpu").manual_seed(seed)
+__all__ = ["Task", "empirical_task", "as_covariance", "SigmaLike"]
 
 
 class Task:
@@ -70,9 +60,20 @@ class Task:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def random(cls, d: int, k: int, *, cond: float = 1.0, signal: float = 1.0,
-               rank: Optional[int] = None, noise_std: float = 0.0, seed: Optional[int] = None,
-               generator: Optional[torch.Generator] = None, dtype=None, device=None) -> "Task":
+    def random(
+        cls,
+        d: int,
+        k: int,
+        *,
+        cond: float = 1.0,
+        signal: float = 1.0,
+        rank: Optional[int] = None,
+        noise_std: float = 0.0,
+        seed: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        dtype=None,
+        device=None,
+    ) -> "Task":
         r"""A random task with prescribed conditioning and signal strength.
 
         ``Sigma = Q diag(lambda) Q^T`` with a Haar-random orthogonal ``Q`` and
@@ -112,8 +113,7 @@ class Task:
         """A copy of the task with tensors in ``dtype`` on ``device``."""
         dtype = self.dtype if dtype is None else resolve_dtype(dtype)
         device = self.device if device is None else resolve_device(device)
-        return Task(self.Sigma.to(dtype=dtype, device=device), self.M.to(dtype=dtype, device=device),
-                    self.noise_std)
+        return Task(self.Sigma.to(dtype=dtype, device=device), self.M.to(dtype=dtype, device=device), self.noise_std)
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -168,16 +168,19 @@ class Task:
     @property
     def bayes_risk(self) -> float:
         """``L* = k sigma^2 / 2``: the smallest achievable population loss."""
-        return 0.5 * self.k * self.noise_std ** 2
+        return 0.5 * self.k * self.noise_std**2
 
     def __repr__(self) -> str:
-        return (f"Task(d={self.d}, k={self.k}, rank={self.rank}, cond={self.cond:.3g}, "
-                f"signal={float(torch.linalg.norm(self.T)):.3g}, noise_std={self.noise_std:g}, "
-                f"dtype={self.dtype}, device={self.device})")
+        return (
+            f"Task(d={self.d}, k={self.k}, rank={self.rank}, cond={self.cond:.3g}, "
+            f"signal={float(torch.linalg.norm(self.T)):.3g}, noise_std={self.noise_std:g}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
 
     # ------------------------------------------------------------------ data
-    def sample(self, n: int, *, seed: Optional[int] = None,
-               generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, n: int, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Draw one sequence of ``n`` tokens: ``X`` of shape (n, d) and ``Y`` of shape (n, k).
 
         ``X = Z Sigma^{1/2}`` with standard Gaussian ``Z``; ``Y = X M^T + sigma E``.
@@ -245,7 +248,7 @@ def empirical_task(X, Y, *, ridge: float = 0.0) -> Task:
         raise ValueError("X: X^T X is singular; the tokens do not span R^d (pass ridge > 0)") from exc
     if n > d:
         resid = Y - X @ M_hat.T
-        noise = math.sqrt(float(torch.sum(resid ** 2)) / (k * (n - d)))
+        noise = math.sqrt(float(torch.sum(resid**2)) / (k * (n - d)))
     else:
         noise = 0.0
     try:
@@ -254,12 +257,15 @@ def empirical_task(X, Y, *, ridge: float = 0.0) -> Task:
         raise ValueError(f"X: the empirical covariance is not positive definite ({exc})") from exc
 
 
-def check_samples(X, Y=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Validate a sample ``X`` (n, d) and optionally ``Y`` (n, k) on the same dtype/device."""
-    X = check_matrix(X, "X", (None, None))
-    if X.shape[0] < 1 or X.shape[1] < 1:
-        raise ValueError(f"X: expected a non-empty (n, d) array, got shape {tuple(X.shape)}")
-    if Y is None:
-        return X, None
-    Y = check_matrix(Y, "Y", (X.shape[0], None), dtype=X.dtype, device=X.device)
-    return X, Y
+SigmaLike = Union[torch.Tensor, Task]
+
+
+def as_covariance(Sigma: SigmaLike, name: str = "Sigma") -> torch.Tensor:
+    """The covariance matrix of ``Sigma``: a :class:`Task` (its ``Sigma``) or an SPD matrix (validated).
+
+    Every function of attnlib that needs the token covariance accepts either
+    form through this helper.
+    """
+    if isinstance(Sigma, Task):
+        return Sigma.Sigma
+    return check_spd(Sigma, name)

@@ -1,4 +1,4 @@
-r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines.
+r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines, behind one loop.
 
 ``method="structured"`` is Algorithm 1 of the book:
 
@@ -10,19 +10,29 @@ r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines.
 4. a renormalisation step after each update (``renormalize``, see
    :func:`attnlib.geometry.renormalize`): by default ``"balance"``, which
    replaces ``(At, C)`` by the closest balanced factorization of the current
-   product ``At C``. It keeps the population loss, bounds the softmax scale by
-   ``||C||_F^2 = ||At C||_*`` and removes the components of ``C`` that the
-   product does not see. The iterates are then balanced, so the regularizer's
-   gradient vanishes at them: with ``"balance"`` every step the regularizer is
-   inert, and it does the balancing (more slowly) when the renormalisation is
-   switched off or set to ``"scale"``.
+   product ``At C``. It keeps the population loss and removes the components
+   of ``C`` that the product does not see. The iterates are then balanced, so
+   the regularizer's gradient vanishes at them: with ``"balance"`` every step
+   the regularizer is inert; it does the balancing (more slowly) when the
+   renormalisation is switched off or set to ``"scale"``.
 
-Each component can be switched off on its own. ``"gd"``, ``"sgd"`` (minibatches
-of queries, all ``n`` keys) and ``"adam"`` are the baselines; they default to
-all components off but accept the same switches (except the preconditioner
-for Adam). :func:`train` works on one sample ``(X, Y)``; :func:`train_population`
-runs the same algorithms on the closed-form population objective.
+Architecture. One loop (:func:`run`) drives a *step rule* (:class:`Step`)
+on an :class:`Objective`; a :class:`DivergenceGuard` is the single place that
+decides what a non-finite or overflowing iterate means, and a
+:class:`Recorder` the single place that writes the :class:`History`. A
+method is a name in :data:`METHODS` mapped to a :class:`Method` (a factory
+for its step rule plus which structured components it uses by default), so
+adding a method is registering one step rule (:func:`register_method`).
+
+``"gd"``, ``"sgd"`` (minibatches of queries, all ``n`` keys) and ``"adam"``
+are the baselines; they default to all components off but accept the same
+switches (except the preconditioner for Adam). ``whiten=True`` trains on the
+whitened tokens ``X Sigmahat^{-1/2}`` and maps the parameters back, the fair
+baseline for the preconditioner. :func:`train` works on one sample ``(X, Y)``;
+:func:`train_population` runs the same algorithms on the closed-form
+population objective.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,15 +42,40 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_device, resolve_dtype
+from ._validate import (
+    check_matrix,
+    check_nonneg_float,
+    check_positive_int,
+    check_samples,
+    resolve_device,
+    resolve_dtype,
+)
 from .attention import empirical_loss
-from .geometry import distance_to_manifold, regularizer, renormalize as _renormalize
+from .geometry import distance_to_manifold, manifold_point, regularizer
+from .geometry import renormalize as _renormalize
 from .init import random_init, spectral_init
-from .task import Task, check_samples, empirical_task, make_generator
+from .linalg import sym_inv_sqrt
+from .rng import make_generator
+from .task import Task, empirical_task
 
-__all__ = ["train", "train_population", "best_of_grid", "History", "DivergenceError", "METHODS"]
-
-METHODS = ("structured", "gd", "sgd", "adam")
+__all__ = [
+    "train",
+    "train_population",
+    "run",
+    "best_of_grid",
+    "History",
+    "DivergenceError",
+    "METHODS",
+    "Method",
+    "register_method",
+    "Objective",
+    "Step",
+    "GradientStep",
+    "SGDStep",
+    "AdamStep",
+    "DivergenceGuard",
+    "Recorder",
+]
 
 
 class DivergenceError(FloatingPointError):
@@ -54,11 +89,12 @@ class History:
     Lists have one entry per recorded iterate (``steps`` holds the iteration
     numbers, starting at 0 = the initialisation). ``objective`` is the
     (regularized) training objective, ``loss`` its unregularized part,
-    ``grad_norm`` the Euclidean norm of the objective's gradient, ``time`` the
-    cumulative wall time of the updates in seconds. ``excess`` (population
-    ``L - L*``) and ``dist`` (``dist_P`` to the manifold) are filled when a
-    task is known. ``A`` and ``B`` are the final parameters (after a divergence
-    with ``on_divergence="stop"``: the last finite iterate, and ``diverged`` is set).
+    ``grad_norm`` the Euclidean norm of the objective's gradient (NaN where the
+    step rule does not compute the full gradient), ``time`` the cumulative wall
+    time of the updates in seconds. ``excess`` (population ``L - L*``) and
+    ``dist`` (``dist_P`` to the manifold) are filled when a task is known.
+    ``A`` and ``B`` are the final parameters (after a divergence with
+    ``on_divergence="stop"``: the last finite iterate, and ``diverged`` is set).
     """
 
     method: str
@@ -91,27 +127,342 @@ class History:
         return None
 
 
-def _resolve_flags(method, regularize, precondition, renormalize):
+# ----------------------------------------------------------------------------- the objective
+
+
+@dataclass
+class Objective:
+    """What is minimised: ``loss(A, B, idx)`` plus, optionally, the balancing regularizer.
+
+    ``loss(A, B, idx)`` is the training loss (``idx``: a LongTensor of query
+    rows for a minibatch, or ``None`` for the full objective); ``geometry`` is
+    the task whose covariance the structured components use (``Sigmahat`` for a
+    sample, ``Sigma`` on the population); ``n_queries`` the number of query rows
+    a minibatch can draw from (``None``: no minibatches).
+    """
+
+    loss: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+    geometry: Optional[Task] = None
+    lam: float = 0.0
+    regularize: bool = False
+    n_queries: Optional[int] = None
+
+    def __call__(self, A, B, idx=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, objective)``, both 0-dim tensors."""
+        loss = self.loss(A, B, idx)
+        if self.regularize:
+            return loss, loss + regularizer(A, B, self.geometry, self.lam)
+        return loss, loss
+
+
+# ----------------------------------------------------------------------------- step rules
+
+
+class Step:
+    """A step rule. :func:`run` calls, at every iteration ``t``:
+
+    * ``evaluate(objective, A, B, record)`` -> ``(loss, objective value, (gA, gB) or None)``,
+      the full objective at the current iterate (its gradient where the rule
+      needs it; for ``record=False`` a rule may skip the evaluation and return ``None``
+      for the values); ``timed`` says whether this evaluation is part of the
+      update's cost (``History.time``);
+    * ``update(objective, A, B, grads)``: change ``A``, ``B`` in place (under ``no_grad``
+      where gradients are not needed).
+    """
+
+    timed = True
+
+    def evaluate(self, objective: Objective, A, B, record: bool):
+        loss, obj = objective(A, B)
+        gA, gB = torch.autograd.grad(obj, (A, B))
+        return loss, obj, (gA, gB)
+
+    def update(self, objective: Objective, A, B, grads) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class GradientStep(Step):
+    """``(A, B) <- (A, B) - lr * g``, with ``g`` preconditioned by ``Sigma^{-1}`` when ``precondition``."""
+
+    def __init__(self, lr: float, precondition: Optional[torch.Tensor] = None):
+        self.lr = lr
+        self.S_inv = precondition
+
+    def direction(self, gA, gB):
+        if self.S_inv is not None:
+            return gA @ self.S_inv, self.S_inv @ gB @ self.S_inv
+        return gA, gB
+
+    def update(self, objective, A, B, grads) -> None:
+        gA, gB = self.direction(*grads)
+        with torch.no_grad():
+            A -= self.lr * gA
+            B -= self.lr * gB
+
+
+class SGDStep(GradientStep):
+    """Gradient steps on minibatches of ``batch_size`` queries (all keys), drawn from ``generator``.
+
+    The full objective is evaluated only for the record, without gradient and
+    outside the timed update.
+    """
+
+    timed = False
+
+    def __init__(
+        self,
+        lr: float,
+        batch_size: int,
+        n_queries: int,
+        generator: torch.Generator,
+        precondition: Optional[torch.Tensor] = None,
+    ):
+        super().__init__(lr, precondition)
+        self.batch_size, self.n_queries, self.gen = batch_size, n_queries, generator
+
+    def evaluate(self, objective, A, B, record):
+        if not record:
+            return None, None, None
+        with torch.no_grad():
+            loss, obj = objective(A, B)
+        return loss, obj, None
+
+    def update(self, objective, A, B, grads) -> None:
+        idx = torch.randperm(self.n_queries, generator=self.gen)[: self.batch_size].to(A.device)
+        _, obj = objective(A, B, idx)
+        super().update(objective, A, B, torch.autograd.grad(obj, (A, B)))
+
+
+class AdamStep(Step):
+    """One ``torch.optim.Adam`` step on the full objective's gradient."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+        self.opt = None
+
+    def update(self, objective, A, B, grads) -> None:
+        if self.opt is None:
+            self.opt = torch.optim.Adam([A, B], lr=self.lr)
+        with torch.no_grad():
+            A.grad, B.grad = grads
+            self.opt.step()
+
+
+@dataclass(frozen=True)
+class Method:
+    """A training method: a factory for its step rule and its default components.
+
+    ``make_step(lr, context)`` returns a :class:`Step`; ``context`` holds
+    ``precondition`` (``Sigma^{-1}`` or ``None``), ``batch_size``, ``n_queries``
+    and ``seed``. ``structured`` says whether regularizer, preconditioner and
+    renormalisation are on by default; ``needs_samples`` that it cannot run
+    on the population objective; ``preconditionable`` whether the
+    covariance preconditioner is defined for it.
+    """
+
+    name: str
+    make_step: Callable[[float, dict], Step]
+    structured: bool = False
+    needs_samples: bool = False
+    preconditionable: bool = True
+
+
+METHODS: Dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    """Add a training method under ``method.name`` (replacing one of the same name)."""
+    if not isinstance(method, Method):
+        raise ValueError(f"method: expected an attnlib.train.Method, got {type(method).__name__}")
+    METHODS[method.name] = method
+    return method
+
+
+register_method(Method("structured", lambda lr, c: GradientStep(lr, c["precondition"]), structured=True))
+register_method(Method("gd", lambda lr, c: GradientStep(lr, c["precondition"])))
+register_method(
+    Method(
+        "sgd",
+        lambda lr, c: SGDStep(
+            lr, c["batch_size"], c["n_queries"], make_generator(c["seed"], name="seed"), c["precondition"]
+        ),
+        needs_samples=True,
+    )
+)
+register_method(Method("adam", lambda lr, c: AdamStep(lr), preconditionable=False))
+
+
+# ----------------------------------------------------------------------------- guard and recorder
+
+
+class DivergenceGuard:
+    """The one place that decides what a non-finite or overflowing iterate means.
+
+    ``on_divergence="raise"`` raises :class:`DivergenceError`; ``"stop"``
+    sets ``History.diverged`` and lets the loop end with the last finite iterate.
+    A population excess beyond ``sqrt(finfo.max)`` also counts as divergence:
+    the finite-n loss stays bounded when ``B`` blows up (hard attention), the
+    population excess does not, and the next matrix products would overflow.
+    """
+
+    def __init__(self, on_divergence: str, method: str, lr: float, dtype: torch.dtype):
+        self.on_divergence, self.method, self.lr = on_divergence, method, lr
+        self.overflow = float(torch.finfo(dtype).max) ** 0.5
+        self.diverged = False
+
+    def ok(self, t: int, *values) -> bool:
+        """True if every tensor/number in ``values`` is finite (numbers also ``<= overflow``)."""
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                good = bool(torch.isfinite(v).all())
+            else:
+                good = v <= self.overflow  # False for NaN and inf
+            if not good:
+                self.diverged = True
+                if self.on_divergence == "raise":
+                    raise DivergenceError(
+                        f"training diverged at step {t} (method={self.method!r}, lr={self.lr}): the objective "
+                        f"or the parameters are no longer finite; lower lr"
+                    )
+                return False
+        return True
+
+
+class Recorder:
+    """The one place that writes a :class:`History` row (and its population diagnostics).
+
+    ``to_original(A, B)`` maps the trained parameters to those of the layer on
+    raw tokens (identity unless the tokens were whitened).
+    """
+
+    def __init__(
+        self,
+        history: History,
+        task: Optional[Task],
+        guard: DivergenceGuard,
+        to_original: Callable = lambda A, B: (A, B),
+    ):
+        self.h, self.guard, self.to_original = history, guard, to_original
+        self.task = task
+
+    def record(self, t, A, B, loss, obj, grads, elapsed) -> bool:
+        """Append one row; False if the loop must stop (divergence with ``on_divergence="stop"``)."""
+        if not self.guard.ok(t, obj.detach(), A.detach(), B.detach()):
+            return False
+        excess = dist = None
+        if self.task is not None:
+            with torch.no_grad():
+                Ao, Bo = self.to_original(A.detach(), B.detach())
+                excess = float(self.task.excess_risk(Ao, Bo))
+                if not self.guard.ok(t, excess):
+                    return False
+                dist = float(distance_to_manifold(Ao, Bo, self.task))
+        h = self.h
+        if excess is not None:
+            h.excess.append(excess)
+            h.dist.append(dist)
+        h.steps.append(t)
+        h.loss.append(float(loss.detach()))
+        h.objective.append(float(obj.detach()))
+        if grads is None:
+            h.grad_norm.append(float("nan"))
+        else:
+            gA, gB = grads
+            h.grad_norm.append(float(torch.sqrt(torch.sum(gA * gA) + torch.sum(gB * gB))))
+        h.time.append(elapsed)
+        return True
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def run(
+    objective: Objective,
+    step: Step,
+    A,
+    B,
+    *,
+    steps: int,
+    renormalize: Optional[str] = None,
+    recorder: Recorder,
+    guard: DivergenceGuard,
+    record_every: int = 1,
+    progress: bool = False,
+    desc: str = "train",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The training loop shared by every method; returns the final ``(A, B)`` (detached).
+
+    Iteration ``t = 0..steps``: evaluate (and record every ``record_every``
+    steps and at the last one), then, unless ``t == steps``, update with
+    ``step``, renormalise (mode ``renormalize`` with ``objective.geometry``),
+    and check the new iterate with ``guard``; on divergence the last finite
+    iterate is kept.
+    """
+    A = A.clone().requires_grad_(True)
+    B = B.clone().requires_grad_(True)
+    elapsed = 0.0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=desc, leave=False)
+    for t in range(steps + 1):
+        rec = (t % record_every == 0) or t == steps
+        t0 = time.perf_counter()
+        loss, obj, grads = step.evaluate(objective, A, B, rec)
+        if step.timed:
+            elapsed += time.perf_counter() - t0
+        if rec and not recorder.record(t, A, B, loss, obj, grads, elapsed):
+            break
+        if t == steps:
+            break
+        t0 = time.perf_counter()
+        last_A, last_B = A.detach().clone(), B.detach().clone()
+        step.update(objective, A, B, grads)
+        with torch.no_grad():
+            finite = bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
+            if finite and renormalize is not None:
+                A_new, B_new = _renormalize(A, B, objective.geometry, renormalize)
+                A.copy_(A_new)
+                B.copy_(B_new)
+        elapsed += time.perf_counter() - t0
+        if not guard.ok(t + 1, A.detach(), B.detach()):
+            with torch.no_grad():  # keep the last finite iterate, never return NaN parameters
+                A.copy_(last_A)
+                B.copy_(last_B)
+            break
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return A.detach(), B.detach()
+
+
+# ----------------------------------------------------------------------------- front ends
+
+
+def _resolve_flags(method, regularize, precondition, renormalize) -> Tuple[Method, bool, bool, Optional[str]]:
     if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    structured = method == "structured"
-    regularize = structured if regularize is None else bool(regularize)
-    precondition = structured if precondition is None else bool(precondition)
+        raise ValueError(f"method: expected one of {tuple(METHODS)}, got {method!r}")
+    spec = METHODS[method]
+    regularize = spec.structured if regularize is None else bool(regularize)
+    precondition = spec.structured if precondition is None else bool(precondition)
     if renormalize is None:
-        renormalize = "balance" if structured else None
+        renormalize = "balance" if spec.structured else None
     elif renormalize is True:
         renormalize = "balance"
     elif renormalize is False:
         renormalize = None
     if renormalize not in (None, "scale", "balance"):
         raise ValueError(f"renormalize: expected None, True, False, 'scale' or 'balance', got {renormalize!r}")
-    if method == "adam" and precondition:
-        raise ValueError("precondition: the covariance preconditioner is not defined for method='adam'")
-    return regularize, precondition, renormalize
+    if precondition and not spec.preconditionable:
+        raise ValueError(f"precondition: the covariance preconditioner is not defined for method={method!r}")
+    return spec, regularize, precondition, renormalize
 
 
-def _initial_params(init, d, k, *, spectral: Callable[[], Tuple[torch.Tensor, torch.Tensor]],
-                    init_scale, seed, dtype, device):
+def _initial_params(
+    init, d, k, *, spectral: Callable[[], Tuple[torch.Tensor, torch.Tensor]], init_scale, seed, dtype, device
+):
     if isinstance(init, str):
         if init == "spectral":
             A, B = spectral()
@@ -124,118 +475,7 @@ def _initial_params(init, d, k, *, spectral: Callable[[], Tuple[torch.Tensor, to
         B = check_matrix(init[1], "init[1] (B)", (d, d))
     else:
         raise ValueError(f"init: expected 'spectral', 'random' or a pair (A, B), got {type(init).__name__}")
-    return (A.detach().to(device=device, dtype=dtype).clone(),
-            B.detach().to(device=device, dtype=dtype).clone())
-
-
-def _run(*, loss_fn, geom: Optional[Task], n_queries: Optional[int], A, B, steps, lr, method,
-         lam, regularize, precondition, renormalize, batch_size, seed, task, record_every,
-         progress, on_divergence, config) -> History:
-    """Shared optimisation loop (``loss_fn(A, B, idx)``: training loss, ``idx`` rows or None)."""
-    hist = History(method=method, config=config)
-    A = A.clone().requires_grad_(True)
-    B = B.clone().requires_grad_(True)
-    if precondition:
-        S_inv = torch.linalg.inv(geom.Sigma)
-    opt = torch.optim.Adam([A, B], lr=lr) if method == "adam" else None
-    gen = make_generator(seed, name="seed") if method == "sgd" else None
-    eval_task = task.to(dtype=A.dtype, device=A.device) if task is not None else None
-    overflow = float(torch.finfo(A.dtype).max) ** 0.5
-
-    def objective(idx):
-        loss = loss_fn(A, B, idx)
-        reg = regularizer(A, B, geom, lam) if regularize else loss.new_zeros(())
-        return loss, loss + reg
-
-    def check_finite(val, t):
-        ok = bool(torch.isfinite(val)) and bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
-        if not ok:
-            hist.diverged = True
-            if on_divergence == "raise":
-                raise DivergenceError(
-                    f"training diverged at step {t} (method={method!r}, lr={lr}): the objective or the "
-                    f"parameters are no longer finite; lower lr")
-        return ok
-
-    def record(t, loss, obj, gnorm, elapsed):
-        """Append one row; False (divergence) if the population excess is no longer finite."""
-        if eval_task is not None:
-            with torch.no_grad():
-                ex = float(eval_task.excess_risk(A, B))
-                # The finite-n loss stays bounded when B blows up (hard attention); the population excess
-                # does not. Past sqrt(finfo.max) the next matrix products overflow: call it a divergence.
-                if not ex <= overflow:
-                    return check_finite(torch.tensor(float("inf")), t)
-                hist.excess.append(ex)
-                hist.dist.append(float(distance_to_manifold(A, B, eval_task)))
-        hist.steps.append(t)
-        hist.loss.append(float(loss))
-        hist.objective.append(float(obj))
-        hist.grad_norm.append(float(gnorm) if gnorm is not None else float("nan"))
-        hist.time.append(elapsed)
-        return True
-
-    elapsed = 0.0
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, desc=method, leave=False)
-    else:
-        bar = None
-    for t in range(steps + 1):
-        rec = (t % record_every == 0) or t == steps
-        gA = gB = gnorm = None
-        if method == "sgd":
-            if rec:  # full objective for the record; not part of the timed update
-                with torch.no_grad():
-                    full_loss, full_obj = objective(None)
-        else:
-            t0 = time.perf_counter()
-            full_loss, full_obj = objective(None)
-            gA, gB = torch.autograd.grad(full_obj, (A, B))
-            gnorm = torch.sqrt(torch.sum(gA * gA) + torch.sum(gB * gB))
-            elapsed += time.perf_counter() - t0
-        if rec:
-            if not check_finite(full_obj.detach(), t):
-                break
-            if not record(t, full_loss.detach(), full_obj.detach(), gnorm, elapsed):
-                break
-        if t == steps:
-            break
-        t0 = time.perf_counter()
-        last_A, last_B = A.detach().clone(), B.detach().clone()
-        if method == "sgd":
-            idx = torch.randperm(n_queries, generator=gen)[:batch_size].to(A.device)
-            _, obj = objective(idx)
-            gA, gB = torch.autograd.grad(obj, (A, B))
-        with torch.no_grad():
-            if method == "adam":
-                A.grad, B.grad = gA, gB
-                opt.step()
-            else:
-                if precondition:
-                    gA = gA @ S_inv
-                    gB = S_inv @ gB @ S_inv
-                A -= lr * gA
-                B -= lr * gB
-            finite = bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
-            if finite and renormalize is not None:
-                A_new, B_new = _renormalize(A, B, geom, renormalize)
-                A.copy_(A_new)
-                B.copy_(B_new)
-                finite = bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())
-        elapsed += time.perf_counter() - t0
-        if not finite:
-            check_finite(A.detach().sum() + B.detach().sum(), t + 1)  # raises unless on_divergence="stop"
-            with torch.no_grad():  # keep the last finite iterate, never return NaN parameters
-                A.copy_(last_A)
-                B.copy_(last_B)
-            break
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    hist.A, hist.B = A.detach(), B.detach()
-    return hist
+    return (A.detach().to(device=device, dtype=dtype).clone(), B.detach().to(device=device, dtype=dtype).clone())
 
 
 def _common_checks(steps, lr, lam, record_every, on_divergence):
@@ -248,26 +488,90 @@ def _common_checks(steps, lr, lam, record_every, on_divergence):
     return steps, lr, lam, record_every
 
 
-def train(X, Y, *, steps: int, lr: float, method: str = "structured",
-          init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "spectral",
-          lam: float = 1.0, regularize: Optional[bool] = None, precondition: Optional[bool] = None,
-          renormalize: Union[None, bool, str] = None, batch_size: Optional[int] = None,
-          init_scale: float = 1e-2, seed: int = 0, task: Optional[Task] = None,
-          record_every: int = 1, progress: bool = False, on_divergence: str = "raise",
-          dtype=None, device=None) -> History:
+def _execute(
+    method,
+    spec,
+    objective,
+    A,
+    B,
+    *,
+    lr,
+    steps,
+    precondition,
+    renormalize,
+    batch_size,
+    seed,
+    task,
+    record_every,
+    progress,
+    on_divergence,
+    config,
+    to_original=lambda A, B: (A, B),
+):
+    """Build step rule, guard and recorder for one run and drive :func:`run`."""
+    S_inv = torch.linalg.inv(objective.geometry.Sigma) if precondition else None
+    step = spec.make_step(lr, dict(precondition=S_inv, batch_size=batch_size, n_queries=objective.n_queries, seed=seed))
+    hist = History(method=method, config=config)
+    guard = DivergenceGuard(on_divergence, method, lr, A.dtype)
+    eval_task = task.to(dtype=A.dtype, device=A.device) if task is not None else None
+    recorder = Recorder(hist, eval_task, guard, to_original)
+    A, B = run(
+        objective,
+        step,
+        A,
+        B,
+        steps=steps,
+        renormalize=renormalize,
+        recorder=recorder,
+        guard=guard,
+        record_every=record_every,
+        progress=progress,
+        desc=method,
+    )
+    hist.A, hist.B = to_original(A, B)
+    hist.diverged = guard.diverged
+    return hist
+
+
+def train(
+    X,
+    Y,
+    *,
+    steps: int,
+    lr: float,
+    method: str = "structured",
+    init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "spectral",
+    lam: float = 1.0,
+    regularize: Optional[bool] = None,
+    precondition: Optional[bool] = None,
+    renormalize: Union[None, bool, str] = None,
+    whiten: bool = False,
+    batch_size: Optional[int] = None,
+    init_scale: float = 1e-2,
+    seed: int = 0,
+    task: Optional[Task] = None,
+    record_every: int = 1,
+    progress: bool = False,
+    on_divergence: str = "raise",
+    dtype=None,
+    device=None,
+) -> History:
     """Train the attention layer on one sequence ``(X, Y)`` (shapes (n, d), (n, k)).
 
     Parameters
     ----------
     steps, lr : number of updates and step size.
-    method : ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"`` or ``"adam"``.
+    method : a name in :data:`METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"`` or ``"adam"``.
     init : ``"spectral"`` (:func:`~attnlib.init.spectral_init`), ``"random"``
-        (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``.
+        (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``
+        (parameters of the layer on the raw tokens, also with ``whiten=True``).
     lam : weight of the balancing regularizer.
     regularize, precondition, renormalize : switch each structured component on
         (``True``) or off (``False``); ``None`` (the default) means on for
         ``"structured"`` and off otherwise. ``renormalize`` also takes the mode,
         ``"balance"`` (what ``True`` and the structured default mean) or ``"scale"``.
+    whiten : train on the whitened tokens ``X Sigmahat^{-1/2}`` (same ``Y``); the
+        history and the returned parameters are those of the equivalent layer on the raw tokens.
     batch_size : queries per SGD step (default ``max(1, n // 8)``).
     seed : seeds the random initialisation and the SGD minibatches.
     task : if given, the population excess risk and ``dist_P`` are recorded at every step.
@@ -276,87 +580,173 @@ def train(X, Y, *, steps: int, lr: float, method: str = "structured",
     on_divergence : ``"raise"`` (:class:`DivergenceError`) or ``"stop"`` (``History.diverged``).
     dtype, device : move ``X``, ``Y`` there first (default: keep theirs).
 
-    The regularizer, preconditioner and renormalisation use ``Sigmahat = X^T X / n``.
+    The regularizer, preconditioner and renormalisation use ``Sigmahat = X^T X / n``
+    (of the tokens trained on).
     """
     X, Y = check_samples(X, Y)
     if dtype is not None or device is not None:
-        X = X.to(dtype=resolve_dtype(dtype) if dtype is not None else X.dtype,
-                 device=resolve_device(device) if device is not None else X.device)
+        X = X.to(
+            dtype=resolve_dtype(dtype) if dtype is not None else X.dtype,
+            device=resolve_device(device) if device is not None else X.device,
+        )
         Y = Y.to(X)
     steps, lr, lam, record_every = _common_checks(steps, lr, lam, record_every, on_divergence)
-    regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
+    spec, regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
     n, d = X.shape
     k = Y.shape[1]
     if task is not None and (not isinstance(task, Task) or task.d != d or task.k != k):
         raise ValueError(f"task: expected an attnlib.Task with d = {d}, k = {k}")
-    geom = None
-    if regularize or precondition or renormalize:
-        if n < d:
-            raise ValueError(f"X: the structured components need n >= d (Sigmahat invertible), got n = {n}, d = {d}")
-        geom = empirical_task(X, Y)
-    if method == "sgd":
+    if (regularize or precondition or renormalize or whiten) and n < d:
+        raise ValueError(
+            f"X: the structured components and whitening need n >= d (Sigmahat invertible), got n = {n}, d = {d}"
+        )
+    if spec.needs_samples:
         batch_size = max(1, n // 8) if batch_size is None else check_positive_int(batch_size, "batch_size")
         if batch_size > n:
             raise ValueError(f"batch_size: expected at most n = {n}, got {batch_size}")
-    A, B = _initial_params(init, d, k, spectral=lambda: spectral_init(X, Y), init_scale=init_scale,
-                           seed=seed, dtype=X.dtype, device=X.device)
-    config = dict(n=n, d=d, k=k, steps=steps, lr=lr, method=method,
-                  init=init if isinstance(init, str) else "given", lam=lam, regularize=regularize,
-                  precondition=precondition, renormalize=renormalize, batch_size=batch_size,
-                  init_scale=init_scale, seed=seed, objective="empirical")
+    A, B = _initial_params(
+        init,
+        d,
+        k,
+        spectral=lambda: spectral_init(X, Y),
+        init_scale=init_scale,
+        seed=seed,
+        dtype=X.dtype,
+        device=X.device,
+    )
+    to_original = lambda A_, B_: (A_, B_)
+    Xt = X
+    if whiten:
+        W = sym_inv_sqrt(X.T @ X / n)  # Sigmahat^{-1/2}
+        Winv = torch.linalg.inv(W)
+        Xt = X @ W
+        A, B = A @ Winv, Winv @ B @ Winv  # the same layer, seen on whitened tokens
+        to_original = lambda A_, B_: (A_ @ W, W @ B_ @ W)
+    geom = empirical_task(Xt, Y) if (regularize or precondition or renormalize) else None
+    objective = Objective(
+        lambda A_, B_, idx: empirical_loss(A_, B_, Xt, Y, queries=idx),
+        geometry=geom,
+        lam=lam,
+        regularize=regularize,
+        n_queries=n,
+    )
+    config = dict(
+        n=n,
+        d=d,
+        k=k,
+        steps=steps,
+        lr=lr,
+        method=method,
+        init=init if isinstance(init, str) else "given",
+        lam=lam,
+        regularize=regularize,
+        precondition=precondition,
+        renormalize=renormalize,
+        whiten=bool(whiten),
+        batch_size=batch_size,
+        init_scale=init_scale,
+        seed=seed,
+        objective="empirical",
+    )
+    return _execute(
+        method,
+        spec,
+        objective,
+        A,
+        B,
+        lr=lr,
+        steps=steps,
+        precondition=precondition,
+        renormalize=renormalize,
+        batch_size=batch_size,
+        seed=seed,
+        task=task,
+        record_every=record_every,
+        progress=progress,
+        on_divergence=on_divergence,
+        config=config,
+        to_original=to_original,
+    )
 
-    def loss_fn(A_, B_, idx):
-        return empirical_loss(A_, B_, X, Y, queries=idx)
 
-    return _run(loss_fn=loss_fn, geom=geom, n_queries=n, A=A, B=B, steps=steps, lr=lr, method=method,
-                lam=lam, regularize=regularize, precondition=precondition, renormalize=renormalize,
-                batch_size=batch_size, seed=seed, task=task, record_every=record_every,
-                progress=progress, on_divergence=on_divergence, config=config)
-
-
-def train_population(task: Task, *, steps: int, lr: float, method: str = "structured",
-                     init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "random",
-                     lam: float = 1.0, regularize: Optional[bool] = None,
-                     precondition: Optional[bool] = None, renormalize: Union[None, bool, str] = None,
-                     init_scale: float = 1e-2, seed: int = 0, record_every: int = 1,
-                     progress: bool = False, on_divergence: str = "raise") -> History:
+def train_population(
+    task: Task,
+    *,
+    steps: int,
+    lr: float,
+    method: str = "structured",
+    init: Union[str, Tuple[torch.Tensor, torch.Tensor]] = "random",
+    lam: float = 1.0,
+    regularize: Optional[bool] = None,
+    precondition: Optional[bool] = None,
+    renormalize: Union[None, bool, str] = None,
+    init_scale: float = 1e-2,
+    seed: int = 0,
+    record_every: int = 1,
+    progress: bool = False,
+    on_divergence: str = "raise",
+) -> History:
     """Run the same algorithms on the closed-form population objective ``Q = L + R`` (no samples).
 
     The components use the true ``Sigma``; ``init="spectral"`` is the
     infinite-data spectral initialisation (exactly on the manifold), so the
-    default here is ``"random"``. ``method="sgd"`` is not defined without
-    samples. ``excess`` and ``dist`` are always recorded.
+    default here is ``"random"``. Methods that need samples (``"sgd"``) are
+    not defined here. ``excess`` and ``dist`` are always recorded.
     """
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
-    if method == "sgd":
-        raise ValueError("method: 'sgd' needs samples (minibatches of queries); use train(X, Y, ...)")
+    if method in METHODS and METHODS[method].needs_samples:
+        raise ValueError(f"method: {method!r} needs samples (minibatches of queries); use train(X, Y, ...)")
     steps, lr, lam, record_every = _common_checks(steps, lr, lam, record_every, on_divergence)
-    regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
+    spec, regularize, precondition, renormalize = _resolve_flags(method, regularize, precondition, renormalize)
 
     def spectral():
-        from .geometry import manifold_point
-        U, s, V = task.svd
-        return manifold_point(task, V)
+        return manifold_point(task, task.svd[2])
 
-    A, B = _initial_params(init, task.d, task.k, spectral=spectral, init_scale=init_scale, seed=seed,
-                           dtype=task.dtype, device=task.device)
-    config = dict(d=task.d, k=task.k, steps=steps, lr=lr, method=method,
-                  init=init if isinstance(init, str) else "given", lam=lam, regularize=regularize,
-                  precondition=precondition, renormalize=renormalize, init_scale=init_scale,
-                  seed=seed, objective="population")
+    A, B = _initial_params(
+        init, task.d, task.k, spectral=spectral, init_scale=init_scale, seed=seed, dtype=task.dtype, device=task.device
+    )
+    objective = Objective(
+        lambda A_, B_, idx: task.population_loss(A_, B_), geometry=task, lam=lam, regularize=regularize
+    )
+    config = dict(
+        d=task.d,
+        k=task.k,
+        steps=steps,
+        lr=lr,
+        method=method,
+        init=init if isinstance(init, str) else "given",
+        lam=lam,
+        regularize=regularize,
+        precondition=precondition,
+        renormalize=renormalize,
+        init_scale=init_scale,
+        seed=seed,
+        objective="population",
+    )
+    return _execute(
+        method,
+        spec,
+        objective,
+        A,
+        B,
+        lr=lr,
+        steps=steps,
+        precondition=precondition,
+        renormalize=renormalize,
+        batch_size=None,
+        seed=seed,
+        task=task,
+        record_every=record_every,
+        progress=progress,
+        on_divergence=on_divergence,
+        config=config,
+    )
 
-    def loss_fn(A_, B_, idx):
-        return task.population_loss(A_, B_)
 
-    return _run(loss_fn=loss_fn, geom=task, n_queries=None, A=A, B=B, steps=steps, lr=lr, method=method,
-                lam=lam, regularize=regularize, precondition=precondition, renormalize=renormalize,
-                batch_size=None, seed=seed, task=task, record_every=record_every, progress=progress,
-                on_divergence=on_divergence, config=config)
-
-
-def best_of_grid(run: Callable[..., History], lrs, *, score: Optional[Callable[[History], Optional[float]]] = None
-                 ) -> Optional[History]:
+def best_of_grid(
+    run: Callable[..., History], lrs, *, score: Optional[Callable[[History], Optional[float]]] = None
+) -> Optional[History]:
     """Run ``run(lr=lr, on_divergence="stop")`` for each step size in ``lrs`` and return the best History.
 
     ``score(h)`` ranks runs (lower is better; ``None`` disqualifies a run); the
@@ -365,8 +755,10 @@ def best_of_grid(run: Callable[..., History], lrs, *, score: Optional[Callable[[
     selection of the book's comparisons: every method gets the same criterion.
     """
     if score is None:
+
         def score(h):
             return h.objective[-1]
+
     best, best_score = None, None
     for lr in lrs:
         h = run(lr=lr, on_divergence="stop")

@@ -15,11 +15,11 @@ the n x n weight matrix; configurations whose estimated footprint exceeds
 ``--max-reference-gb`` are skipped (and say so) rather than risk swapping the
 machine.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import subprocess
@@ -35,7 +35,7 @@ def _worker(n: int, dtype_name: str, impl: str, reps: int) -> dict:
 
     import attnlib as al
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    al.configure_threads("auto")  # all granted CPUs: the benchmark runs alone, one process at a time
     dtype = getattr(torch, dtype_name)
     task = al.Task.random(D, K, cond=10.0, signal=1.0, noise_std=0.1, seed=0, dtype=dtype)
     X, Y = task.sample(n, seed=1)
@@ -58,8 +58,14 @@ def _worker(n: int, dtype_name: str, impl: str, reps: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times.sort()
-    return {"n": n, "dtype": dtype_name, "impl": impl, "time_s": times[len(times) // 2],
-            "peak_mb": (peak_kb - base_kb) / 1024, "process_peak_mb": peak_kb / 1024}
+    return {
+        "n": n,
+        "dtype": dtype_name,
+        "impl": impl,
+        "time_s": times[len(times) // 2],
+        "peak_mb": (peak_kb - base_kb) / 1024,
+        "process_peak_mb": peak_kb / 1024,
+    }
 
 
 def main(argv=None) -> int:
@@ -67,8 +73,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dtype", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--max-reference-gb", type=float, default=10.0,
-                   help="skip the reference path when 4 n^2 * bytes exceeds this (default 10)")
+    p.add_argument(
+        "--max-reference-gb",
+        type=float,
+        default=10.0,
+        help="skip the reference path when 4 n^2 * bytes exceeds this (default 10)",
+    )
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
     p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -88,8 +98,11 @@ def main(argv=None) -> int:
                     row[impl] = None
                     row[impl + "_skip"] = f"skipped (~{est_gb:.0f} GB)"
                     continue
-                out = subprocess.run([sys.executable, __file__, "--worker", str(n), dt, impl, str(args.reps)],
-                                     capture_output=True, text=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--worker", str(n), dt, impl, str(args.reps)],
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     row[impl] = None
                     row[impl + "_skip"] = "failed: " + out.stderr.strip().splitlines()[-1][:60]
@@ -97,13 +110,17 @@ def main(argv=None) -> int:
                 row[impl] = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             f, r = row.get("fused"), row.get("reference")
-            print(f"n={n:6d} {dt}: fused {f['time_s']:.3f}s {f['peak_mb']:.0f}MB" if f else f"n={n} {dt}: fused failed",
-                  "| reference " + (f"{r['time_s']:.3f}s {r['peak_mb']:.0f}MB" if r else row.get("reference_skip", "")),
-                  file=sys.stderr, flush=True)
+            print(
+                f"n={n:6d} {dt}: fused {f['time_s']:.3f}s {f['peak_mb']:.0f}MB" if f else f"n={n} {dt}: fused failed",
+                "| reference " + (f"{r['time_s']:.3f}s {r['peak_mb']:.0f}MB" if r else row.get("reference_skip", "")),
+                file=sys.stderr,
+                flush=True,
+            )
 
     lines = [
         f"Loss + gradient of the empirical loss, d = {D}, k = {K}; median of {args.reps} calls; "
-        f"{os.cpu_count()} CPU threads, torch {__import__('torch').__version__}, {platform.machine()}.",
+        f"{__import__('attnlib').granted_cpus()} CPU threads (ATTNLIB_NUM_THREADS=auto), "
+        f"torch {__import__('torch').__version__}, {platform.machine()}.",
         "",
         "| n | dtype | fused time (s) | fused peak (MB) | fused process peak (MB) | reference time (s) "
         "| reference peak (MB) | speed-up |",
@@ -111,12 +128,17 @@ def main(argv=None) -> int:
     ]
     for row in rows:
         f, r = row.get("fused"), row.get("reference")
-        fcell = ((f"{f['time_s']:.3f}", f"{f['peak_mb']:.0f}", f"{f['process_peak_mb']:.0f}") if f
-                 else (row.get("fused_skip", "-"), "-", "-"))
+        fcell = (
+            (f"{f['time_s']:.3f}", f"{f['peak_mb']:.0f}", f"{f['process_peak_mb']:.0f}")
+            if f
+            else (row.get("fused_skip", "-"), "-", "-")
+        )
         rcell = (f"{r['time_s']:.3f}", f"{r['peak_mb']:.0f}") if r else (row.get("reference_skip", "-"), "-")
         speed = f"{r['time_s'] / f['time_s']:.1f}x" if (f and r) else "-"
-        lines.append(f"| {row['n']} | {row['dtype']} | {fcell[0]} | {fcell[1]} | {fcell[2]} | {rcell[0]} | {rcell[1]} "
-                     f"| {speed} |")
+        lines.append(
+            f"| {row['n']} | {row['dtype']} | {fcell[0]} | {fcell[1]} | {fcell[2]} | {rcell[0]} | {rcell[1]} "
+            f"| {speed} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -1,4 +1,5 @@
 """Assignments with nbgrader: student versions and autograding of the chapter notebooks."""
+
 import json
 import re
 
@@ -10,7 +11,7 @@ from attnlib import course
 CHAPTERS = course.chapters()
 # chapters fast enough to autograde in the suite (chapter 5 takes minutes; its reference
 # solutions are graded by the same check cells when nbval re-runs the notebook)
-FAST = ["ch1_model", "ch2_population", "ch3_factorization", "ch4_geometry"]
+FAST = ["ch1_model"]  # one chapter tests the grading plumbing; nbval runs every chapter's check cells
 
 
 def _solution_lines(nb):
@@ -75,19 +76,22 @@ def test_untouched_stubs_earn_nothing_with_the_expected_messages(releases):
     report = course.grade("ch1_model", releases["ch1_model"])
     assert report.total == 0 and report.max_total == 2
     for gid, msg in [("ex1-1", "my_attention"), ("ex1-2", "my_empirical_loss")]:
-        assert re.search(rf"ExerciseError: Exercise 1\.\d: {msg} still raises NotImplementedError",
-                         report.messages[gid]), report.messages
+        assert re.search(
+            rf"ExerciseError: Exercise 1\.\d: {msg} still raises NotImplementedError", report.messages[gid]
+        ), report.messages
 
 
 def test_one_solved_exercise_earns_exactly_its_points(releases, tmp_path):
     master = nbformat.read(str(course.BOOK_DIR / "ch2_population.ipynb"), 4)
     student = nbformat.read(str(releases["ch2_population"]), 4)
-    solution = {c.metadata["nbgrader"]["grade_id"]: c.source for c in master.cells
-                if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
+    solution = {
+        c.metadata["nbgrader"]["grade_id"]: c.source
+        for c in master.cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("solution")
+    }
     for cell in student.cells:  # the student solves exercise 2.2 only (2 points)
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-2-solution":
-            cell.source = "\n".join(line for line in solution["ex2-2-solution"].splitlines()
-                                     if "SOLUTION" not in line)
+            cell.source = "\n".join(line for line in solution["ex2-2-solution"].splitlines() if "SOLUTION" not in line)
     sub = tmp_path / "submission.ipynb"
     nbformat.write(student, str(sub))
     report = course.grade("ch2_population", sub)

@@ -1,4 +1,5 @@
 """The experiment runner (quick mode, resume) and the fits on synthetic data with known answers."""
+
 import csv
 import math
 
@@ -50,11 +51,22 @@ def _synthetic_rows(exponent, ns=(100, 300, 1000, 3000, 10000), seeds=5, noise=0
     rows = []
     for n in ns:
         for s in range(seeds):
-            floor = 3.0 * n ** exponent * math.exp(0.1 * rng.standard_normal())
+            floor = 3.0 * n**exponent * math.exp(0.1 * rng.standard_normal())
             for m in range(steps + 1):
-                rows.append({"n": n, "noise_std": noise, "seed": s, "step": m, "excess": floor + mu ** m,
-                             "dist": 0.0, "objective": 1.0 + 0.5 * mu ** m, "time_s": 0.0,
-                             "test_loss": float("nan"), "diverged": 0})
+                rows.append(
+                    {
+                        "n": n,
+                        "noise_std": noise,
+                        "seed": s,
+                        "step": m,
+                        "excess": floor + mu**m,
+                        "dist": 0.0,
+                        "objective": 1.0 + 0.5 * mu**m,
+                        "time_s": 0.0,
+                        "test_loss": float("nan"),
+                        "diverged": 0,
+                    }
+                )
     return rows
 
 
@@ -85,6 +97,7 @@ def test_read_rows_rejects_other_csv(tmp_path):
 
 def test_cuda_flag_without_cuda(tmp_path):
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the flag is valid here")
     with pytest.raises(SystemExit):

@@ -1,4 +1,5 @@
 """Manifold of balanced minima, Procrustes projection, renormalisation, spectral init."""
+
 import pytest
 import torch
 
@@ -49,11 +50,12 @@ def _brute_force_distance(task, A, B, restarts=8, iters=300):
     g = torch.Generator().manual_seed(0)
     for _ in range(restarts):
         Z = torch.randn(task.d, len(s), generator=g, dtype=torch.float64).requires_grad_()
-        opt = torch.optim.LBFGS([Z], max_iter=iters, tolerance_grad=1e-14, tolerance_change=1e-16,
-                                line_search_fn="strong_wolfe")
+        opt = torch.optim.LBFGS(
+            [Z], max_iter=iters, tolerance_grad=1e-14, tolerance_change=1e-16, line_search_fn="strong_wolfe"
+        )
 
         def value():
-            W = Z @ al.sym_inv_sqrt(Z.T @ Z)   # smooth polar retraction onto the Stiefel manifold
+            W = Z @ al.sym_inv_sqrt(Z.T @ Z)  # smooth polar retraction onto the Stiefel manifold
             return ((At - (U * sh) @ W.T) ** 2).sum() + ((C - (W * sh) @ V.T) ** 2).sum()
 
         def closure():
@@ -65,7 +67,7 @@ def _brute_force_distance(task, A, B, restarts=8, iters=300):
         opt.step(closure)
         with torch.no_grad():
             best = min(best, float(value()))
-    return best ** 0.5
+    return best**0.5
 
 
 @pytest.mark.parametrize("radius", [0.1, 1.0, 3.0])
@@ -73,7 +75,7 @@ def test_distance_equals_brute_force_minimisation(gtask, radius):
     A, B = al.perturb(*al.random_manifold_point(gtask, seed=5)[:2], gtask, radius, seed=6)
     exact = float(al.distance_to_manifold(A, B, gtask))
     brute = _brute_force_distance(gtask, A, B)
-    assert brute >= exact - 1e-8          # Procrustes is a global minimum
+    assert brute >= exact - 1e-8  # Procrustes is a global minimum
     assert brute == pytest.approx(exact, rel=1e-6, abs=1e-9)
 
 
@@ -92,9 +94,9 @@ def test_renormalize_keeps_the_product(gtask, mode):
     else:
         assert torch.allclose(At2.T @ At2, C2 @ C2.T, atol=1e-10)
         nuc = float(torch.linalg.svdvals(At @ C).sum())
-        assert float((C2 ** 2).sum()) == pytest.approx(nuc, rel=1e-10)
+        assert float((C2**2).sum()) == pytest.approx(nuc, rel=1e-10)
         # minimal norm among factorizations of the product
-        assert float((At2 ** 2).sum() + (C2 ** 2).sum()) <= float((At ** 2).sum() + (C ** 2).sum()) + 1e-12
+        assert float((At2**2).sum() + (C2**2).sum()) <= float((At**2).sum() + (C**2).sum()) + 1e-12
 
 
 def test_spectral_init_is_balanced_and_exact_on_its_empirical_manifold():

@@ -1,4 +1,5 @@
 """Every bad input raises a ValueError that names the problem."""
+
 import math
 
 import numpy as np
@@ -39,15 +40,18 @@ def test_m_shape_mismatch():
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_inputs(ok, bad):
     task, X, Y, A, B = ok
-    Xb = X.clone(); Xb[3, 1] = bad
+    Xb = X.clone()
+    Xb[3, 1] = bad
     with pytest.raises(ValueError, match="X: contains NaN or infinite values"):
-        al.attention(Xb, A, B)
-    Ab = A.clone(); Ab[0, 0] = bad
+        al.attention(A, B, Xb)
+    Ab = A.clone()
+    Ab[0, 0] = bad
     with pytest.raises(ValueError, match="A: contains NaN or infinite values"):
         task.population_loss(Ab, B)
     with pytest.raises(ValueError, match="Sigma: contains NaN"):
         al.Task([[1.0, 0.0], [0.0, bad]], [[1.0, 0.0]])
-    Yb = Y.clone(); Yb[0, 0] = bad
+    Yb = Y.clone()
+    Yb[0, 0] = bad
     with pytest.raises(ValueError, match="Y: contains NaN"):
         al.train(X, Yb, steps=1, lr=0.1)
 
@@ -55,17 +59,17 @@ def test_non_finite_inputs(ok, bad):
 def test_shape_mismatches(ok):
     task, X, Y, A, B = ok
     with pytest.raises(ValueError, match=r"B: expected shape \(3, 3\)"):
-        al.attention(X, A, B[:2, :2])
+        al.attention(A, B[:2, :2], X)
     with pytest.raises(ValueError, match=r"A: expected shape \(\*, 3\)"):
-        al.attention(X, A[:, :2], B)
+        al.attention(A[:, :2], B, X)
     with pytest.raises(ValueError, match=r"queries: expected shape \(\*, 3\)"):
-        al.attention(X, A, B, queries=X[:, :2])
+        al.attention(A, B, X, queries=X[:, :2])
     with pytest.raises(ValueError, match=r"Y: expected shape \(20, \*\)"):
         al.empirical_loss(A, B, X, Y[:5])
     with pytest.raises(ValueError, match=r"A: expected shape \(2, 3\)"):
         task.excess_risk(A.T, B)
     with pytest.raises(ValueError, match="X: expected a 2-dimensional array"):
-        al.attention(X[0], A, B)
+        al.attention(A, B, X[0])
 
 
 def test_spectral_init_needs_n_at_least_d():

@@ -1,9 +1,12 @@
 r"""Course assignments from the book's chapters, with nbgrader.
 
+This subpackage is not loaded by ``import attnlib`` (the maths core); the
+graders live in :mod:`attnlib.course.exercises`.
+
 The chapter notebooks in ``book/`` are the single master: their exercise
 cells carry nbgrader's cell metadata (solution cells with ``### BEGIN
 SOLUTION`` / ``### END SOLUTION`` regions, graded cells with points that call
-:func:`attnlib.exercises.check`). The markdown cells that only exist for the
+:func:`attnlib.course.exercises.check`). The markdown cells that only exist for the
 book's solution dropdowns are tagged ``solution-markup`` and dropped from the
 student version by nbconvert's ``TagRemovePreprocessor``, run by nbgrader.
 
@@ -18,6 +21,7 @@ set-up nor Docker::
 ``grade`` prints the points per exercise and the message of every failed
 check, and exits with status 0 whether or not the student earned points.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +37,7 @@ from typing import Dict, List, Optional, Sequence
 __all__ = ["BOOK_DIR", "SOLUTION_MARKUP_TAG", "chapters", "graded_cells", "release", "grade", "GradeReport", "main"]
 
 #: The book's folder (the master notebooks), next to the package in a checkout.
-BOOK_DIR = Path(__file__).resolve().parent.parent / "book"
+BOOK_DIR = Path(__file__).resolve().parents[2] / "book"
 #: Cells with this tag exist only for the book (solution dropdown markup) and are dropped on release.
 SOLUTION_MARKUP_TAG = "solution-markup"
 _STUDENT = "student"
@@ -48,6 +52,7 @@ def _book(book_dir) -> Path:
 
 def _read(path: Path):
     import nbformat
+
     return nbformat.read(str(path), as_version=4)
 
 
@@ -87,7 +92,8 @@ def _config(root: Path, timeout: int):
     c.TagRemovePreprocessor.enabled = True
     c.TagRemovePreprocessor.remove_cell_tags = {SOLUTION_MARKUP_TAG}
     c.GenerateAssignment.preprocessors = [TagRemovePreprocessor] + list(
-        GenerateAssignment.class_traits()["preprocessors"].default())
+        GenerateAssignment.class_traits()["preprocessors"].default()
+    )
     c.Execute.timeout = int(timeout)
     c.ExecutePreprocessor.timeout = int(timeout)
     c.Execute.kernel_name = "python3"
@@ -156,9 +162,15 @@ class GradeReport:
         return float(sum(self.max_scores.values()))
 
     def as_dict(self) -> dict:
-        return {"chapter": self.chapter, "total": self.total, "max_total": self.max_total,
-                "exercises": {k: {"score": self.scores[k], "max_score": self.max_scores[k],
-                                  "message": self.messages.get(k, "")} for k in self.scores}}
+        return {
+            "chapter": self.chapter,
+            "total": self.total,
+            "max_total": self.max_total,
+            "exercises": {
+                k: {"score": self.scores[k], "max_score": self.max_scores[k], "message": self.messages.get(k, "")}
+                for k in self.scores
+            },
+        }
 
     def __str__(self) -> str:
         lines = [f"{self.chapter}: {self.total:g} / {self.max_total:g} points"]
@@ -214,8 +226,7 @@ def grade(chapter: str, submission, *, book_dir=None, timeout: int = 600) -> Gra
     order = list(graded_cells(_read(book / f"{chapter}.ipynb")))
     key = {k: i for i, k in enumerate(order)}
     scores = dict(sorted(scores.items(), key=lambda kv: key.get(kv[0], len(key))))
-    return GradeReport(chapter, scores, {k: max_scores[k] for k in scores},
-                       {k: v for k, v in messages.items() if v})
+    return GradeReport(chapter, scores, {k: max_scores[k] for k in scores}, {k: v for k, v in messages.items() if v})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

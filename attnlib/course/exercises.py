@@ -10,21 +10,23 @@ says what went wrong and how to look for the mistake. The book calls
 graded cells, so a cell earns its points exactly when ``check`` passes.
 
 >>> import attnlib as al
->>> al.exercises.check("6.2", lambda s, v: al.fit_geometric_rate(s, v))  # doctest: +ELLIPSIS
+>>> from attnlib.course import exercises
+>>> exercises.check("6.2", lambda s, v: al.fit_geometric_rate(s, v))  # doctest: +ELLIPSIS
 Exercise 6.2 passed ...
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
 
-from .fits import fit_geometric_rate, fit_power_law
-from .geometry import p_norm, regularizer, renormalize, to_factor
-from .attention import attention_reference, empirical_loss
-from .task import Task
+from ..attention import attention_reference, empirical_loss
+from ..fits import fit_geometric_rate, fit_power_law
+from ..geometry import p_norm, regularizer, renormalize, to_factor
+from ..task import Task
 
 __all__ = ["ExerciseError", "Exercise", "EXERCISES", "check", "solved"]
 
@@ -74,6 +76,7 @@ def _params(k, d, g, scale=0.5):
 
 # ----------------------------------------------------------------------------- cases per chapter
 
+
 def _cases_layer():
     out = []
     for i, (n, d, k, scale) in enumerate(((6, 3, 2, 0.5), (11, 4, 1, 1.0), (8, 3, 3, 1000.0))):
@@ -81,7 +84,7 @@ def _cases_layer():
         X = _randn(n, d, g=g)
         A, B = _params(k, d, g)
         desc = f"n = {n}, d = {d}, k = {k}" + (", large scores (|x_i^T B x_j| up to ~1e3)" if scale > 10 else "")
-        out.append((desc, (X, A, B * scale)))
+        out.append((desc, (A, B * scale, X)))
     return out
 
 
@@ -103,7 +106,7 @@ def _cases_population(with_lr=False):
         S = _spd(d, g, cond)
         M = _randn(k, d, g=g)
         A, B = _params(k, d, g)
-        args = (S, M, A, B) + ((0.1,) if with_lr else ())
+        args = (A, B, S, M) + ((0.1,) if with_lr else ())
         out.append((f"d = {d}, k = {k}, cond(Sigma) = {cond:g}", args))
     return out
 
@@ -134,7 +137,7 @@ def _cases_power_law():
     for i, (slope, noise) in enumerate(((-1.0, 0.0), (-0.5, 0.1), (-2.0, 0.3))):
         g = np.random.default_rng(600 + i)
         x = np.geomspace(10, 1e4, 12)
-        y = 3.0 * x ** slope * np.exp(noise * g.standard_normal(x.size))
+        y = 3.0 * x**slope * np.exp(noise * g.standard_normal(x.size))
         out.append((f"12 points, slope {slope:g}, log-noise {noise:g}", (x, y)))
     return out
 
@@ -144,22 +147,23 @@ def _cases_geometric():
     for i, (mu, noise) in enumerate(((0.5, 0.0), (0.9, 0.05), (0.99, 0.01))):
         g = np.random.default_rng(700 + i)
         s = np.arange(0, 30, 2)
-        v = 2.0 * mu ** s * np.exp(noise * g.standard_normal(s.size))
+        v = 2.0 * mu**s * np.exp(noise * g.standard_normal(s.size))
         out.append((f"{s.size} points, mu = {mu:g}, log-noise {noise:g}", (s, v)))
     return out
 
 
 # ----------------------------------------------------------------------------- references / verifiers
 
-def _excess(S, M, A, B):
+
+def _excess(A, B, S, M):
     return Task(S, M).excess_risk(A, B)
 
 
-def _grad(S, M, A, B):
+def _grad(A, B, S, M):
     return Task(S, M).population_grad(A, B)
 
 
-def _precond_step(S, M, A, B, lr):
+def _precond_step(A, B, S, M, lr):
     gA, gB = Task(S, M).population_grad(A, B)
     Si = torch.linalg.inv(S)
     return A - lr * gA @ Si, B - lr * Si @ gB @ Si
@@ -169,67 +173,128 @@ def _verify_minimiser(result, S, M):
     A, B = _as_pair(result, "(A, B)")
     k, d = M.shape
     if tuple(A.shape) != (k, d) or tuple(B.shape) != (d, d):
-        return (f"expected A of shape {(k, d)} and B of shape {(d, d)}, got {tuple(A.shape)} and "
-                f"{tuple(B.shape)}")
+        return f"expected A of shape {(k, d)} and B of shape {(d, d)}, got {tuple(A.shape)} and {tuple(B.shape)}"
     task = Task(S, M)
     ex = float(task.excess_risk(A, B))
     scale = float(task.excess_risk(torch.zeros_like(A), torch.zeros_like(B)))
     if not ex <= 1e-20 * max(scale, 1.0) + 1e-24:
-        return (f"the pair is not a global minimiser: its excess risk is {ex:.3e} (> 0). Check that "
-                f"A Sigma B^T = M, i.e. At C = T with T = M Sigma^(1/2)")
+        return (
+            f"the pair is not a global minimiser: its excess risk is {ex:.3e} (> 0). Check that "
+            f"A Sigma B^T = M, i.e. At C = T with T = M Sigma^(1/2)"
+        )
     At, C = to_factor(A, B, S)
     gap = float(torch.linalg.norm(At.T @ At - C @ C.T))
     size = float(torch.linalg.norm(At.T @ At)) + 1e-300
     if gap > 1e-8 * size:
-        return (f"the pair minimises the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e} "
-                f"(relative {gap / size:.1e}). Split the singular values evenly: S^(1/2) to each factor")
+        return (
+            f"the pair minimises the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e} "
+            f"(relative {gap / size:.1e}). Split the singular values evenly: S^(1/2) to each factor"
+        )
     return None
 
 
-EXERCISES: Dict[str, Exercise] = {e.key: e for e in (
-    Exercise("1.1", "my_attention(X, A, B) -> (n, k) tensor", _cases_layer,
-             "row i is A times the softmax(x_i^T B x_j)-weighted mean of the tokens x_j; a softmax "
-             "over j for each query i; subtract each row's maximum score before exponentiating",
-             reference=attention_reference),
-    Exercise("1.2", "my_empirical_loss(A, B, X, Y) -> scalar", _cases_loss,
-             "Lhat = 1/(2n) sum_i ||f(x_i; X) - y_i||^2: note the factor 1/2 and the mean over the n "
-             "queries", reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False)),
-    Exercise("2.1", "my_excess_risk(Sigma, M, A, B) -> scalar", _cases_population,
-             "L - L* = 1/2 ||(A Sigma B^T - M) Sigma^(1/2)||_F^2 = 1/2 tr(E Sigma E^T) with "
-             "E = A Sigma B^T - M", reference=_excess),
-    Exercise("2.2", "my_population_grad(Sigma, M, A, B) -> (grad_A, grad_B)", _cases_population,
-             "with E = A Sigma B^T - M: grad_A = E Sigma B Sigma and grad_B = Sigma E^T A Sigma; "
-             "compare with torch.autograd on my_excess_risk if unsure", reference=_grad),
-    Exercise("3.1", "my_to_factor(A, B, Sigma) -> (At, C)", _cases_factor,
-             "At = A Sigma^(1/2) and C = Sigma^(1/2) B^T Sigma^(1/2), with the symmetric square root "
-             "(eigendecomposition), not the Cholesky factor", reference=to_factor),
-    Exercise("3.2", "my_balanced_minimiser(Sigma, M) -> (A, B)", _cases_minimiser,
-             "T = M Sigma^(1/2) = U S V^T; At = U S^(1/2) V^T, C = V S^(1/2) V^T; then map back: "
-             "A = At Sigma^(-1/2), B = Sigma^(-1/2) C^T Sigma^(-1/2)", verify=_verify_minimiser),
-    Exercise("4.1", "my_p_norm(dA, dB, Sigma) -> scalar", _cases_factor,
-             "||(dA, dB)||_P^2 = ||dA Sigma^(1/2)||_F^2 + ||Sigma^(1/2) dB^T Sigma^(1/2)||_F^2",
-             reference=p_norm),
-    Exercise("4.2", "my_regularizer(A, B, Sigma, lam) -> scalar", _cases_regularizer,
-             "R = lam/4 ||At^T At - C C^T||_F^2 with (At, C) the factor coordinates of (A, B)",
-             reference=regularizer),
-    Exercise("5.1", "my_renormalize(A, B, Sigma) -> (A, B)", _cases_factor,
-             "c = sqrt(||At||_F / ||C||_F) with (At, C) = (A Sigma^(1/2), Sigma^(1/2) B^T Sigma^(1/2)); "
-             "return (A / c, c B)", reference=lambda A, B, S: renormalize(A, B, S, mode="scale")),
-    Exercise("5.2", "my_preconditioned_step(Sigma, M, A, B, lr) -> (A, B)",
-             lambda: _cases_population(with_lr=True),
-             "A - lr grad_A Sigma^(-1) and B - lr Sigma^(-1) grad_B Sigma^(-1), with the population "
-             "gradients of exercise 2.2", reference=_precond_step),
-    Exercise("6.1", "my_loglog_slope(x, y) -> float", _cases_power_law,
-             "least squares of log y against log x (numpy.polyfit(np.log(x), np.log(y), 1)); return "
-             "the slope, not the intercept", reference=lambda x, y: fit_power_law(x, y).slope,
-             rtol=1e-7),
-    Exercise("6.2", "my_geometric_rate(steps, values) -> float", _cases_geometric,
-             "values ~ c mu^steps, so log values is linear in steps with slope log mu; return mu = "
-             "exp(slope)", reference=fit_geometric_rate, rtol=1e-7),
-)}
+EXERCISES: Dict[str, Exercise] = {
+    e.key: e
+    for e in (
+        Exercise(
+            "1.1",
+            "my_attention(A, B, X) -> (n, k) tensor",
+            _cases_layer,
+            "row i is A times the softmax(x_i^T B x_j)-weighted mean of the tokens x_j; a softmax "
+            "over j for each query i; subtract each row's maximum score before exponentiating",
+            reference=attention_reference,
+        ),
+        Exercise(
+            "1.2",
+            "my_empirical_loss(A, B, X, Y) -> scalar",
+            _cases_loss,
+            "Lhat = 1/(2n) sum_i ||f(x_i; X) - y_i||^2: note the factor 1/2 and the mean over the n queries",
+            reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
+        ),
+        Exercise(
+            "2.1",
+            "my_excess_risk(A, B, Sigma, M) -> scalar",
+            _cases_population,
+            "L - L* = 1/2 ||(A Sigma B^T - M) Sigma^(1/2)||_F^2 = 1/2 tr(E Sigma E^T) with E = A Sigma B^T - M",
+            reference=_excess,
+        ),
+        Exercise(
+            "2.2",
+            "my_population_grad(A, B, Sigma, M) -> (grad_A, grad_B)",
+            _cases_population,
+            "with E = A Sigma B^T - M: grad_A = E Sigma B Sigma and grad_B = Sigma E^T A Sigma; "
+            "compare with torch.autograd on my_excess_risk if unsure",
+            reference=_grad,
+        ),
+        Exercise(
+            "3.1",
+            "my_to_factor(A, B, Sigma) -> (At, C)",
+            _cases_factor,
+            "At = A Sigma^(1/2) and C = Sigma^(1/2) B^T Sigma^(1/2), with the symmetric square root "
+            "(eigendecomposition), not the Cholesky factor",
+            reference=to_factor,
+        ),
+        Exercise(
+            "3.2",
+            "my_balanced_minimiser(Sigma, M) -> (A, B)",
+            _cases_minimiser,
+            "T = M Sigma^(1/2) = U S V^T; At = U S^(1/2) V^T, C = V S^(1/2) V^T; then map back: "
+            "A = At Sigma^(-1/2), B = Sigma^(-1/2) C^T Sigma^(-1/2)",
+            verify=_verify_minimiser,
+        ),
+        Exercise(
+            "4.1",
+            "my_p_norm(dA, dB, Sigma) -> scalar",
+            _cases_factor,
+            "||(dA, dB)||_P^2 = ||dA Sigma^(1/2)||_F^2 + ||Sigma^(1/2) dB^T Sigma^(1/2)||_F^2",
+            reference=p_norm,
+        ),
+        Exercise(
+            "4.2",
+            "my_regularizer(A, B, Sigma, lam) -> scalar",
+            _cases_regularizer,
+            "R = lam/4 ||At^T At - C C^T||_F^2 with (At, C) the factor coordinates of (A, B)",
+            reference=regularizer,
+        ),
+        Exercise(
+            "5.1",
+            "my_renormalize(A, B, Sigma) -> (A, B)",
+            _cases_factor,
+            "c = sqrt(||At||_F / ||C||_F) with (At, C) = (A Sigma^(1/2), Sigma^(1/2) B^T Sigma^(1/2)); "
+            "return (A / c, c B)",
+            reference=lambda A, B, S: renormalize(A, B, S, mode="scale"),
+        ),
+        Exercise(
+            "5.2",
+            "my_preconditioned_step(A, B, Sigma, M, lr) -> (A, B)",
+            lambda: _cases_population(with_lr=True),
+            "A - lr grad_A Sigma^(-1) and B - lr Sigma^(-1) grad_B Sigma^(-1), with the population "
+            "gradients of exercise 2.2",
+            reference=_precond_step,
+        ),
+        Exercise(
+            "6.1",
+            "my_loglog_slope(x, y) -> float",
+            _cases_power_law,
+            "least squares of log y against log x (numpy.polyfit(np.log(x), np.log(y), 1)); return "
+            "the slope, not the intercept",
+            reference=lambda x, y: fit_power_law(x, y).slope,
+            rtol=1e-7,
+        ),
+        Exercise(
+            "6.2",
+            "my_geometric_rate(steps, values) -> float",
+            _cases_geometric,
+            "values ~ c mu^steps, so log values is linear in steps with slope log mu; return mu = exp(slope)",
+            reference=fit_geometric_rate,
+            rtol=1e-7,
+        ),
+    )
+}
 
 
 # ----------------------------------------------------------------------------- comparison
+
 
 def _to_tensor(x, what):
     try:
@@ -285,24 +350,30 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
         raise ExerciseError(f"Exercise {key}: expected a function {ex.signature}, got {type(fn).__name__}")
     cases = ex.cases()
     for i, (desc, args) in enumerate(cases, 1):
-        inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else np.array(a, copy=True) if
-                       isinstance(a, np.ndarray) else a for a in args)
+        inputs = tuple(
+            a.clone() if isinstance(a, torch.Tensor) else np.array(a, copy=True) if isinstance(a, np.ndarray) else a
+            for a in args
+        )
         try:
             got = fn(*inputs)
         except NotImplementedError:
             raise ExerciseError(
                 f"Exercise {key}: {name} still raises NotImplementedError. Replace the stub "
-                f"(`raise NotImplementedError()`) in the solution cell with your code.") from None
+                f"(`raise NotImplementedError()`) in the solution cell with your code."
+            ) from None
         except Exception as exc:  # noqa: BLE001 - reported to the student
-            raise ExerciseError(f"Exercise {key}: {name} raised {type(exc).__name__}: {exc} "
-                                f"(test case {i}: {desc})") from None
+            raise ExerciseError(
+                f"Exercise {key}: {name} raised {type(exc).__name__}: {exc} (test case {i}: {desc})"
+            ) from None
         if got is None:
-            raise ExerciseError(f"Exercise {key}: {name} returned None: did you forget `return`? "
-                                f"(test case {i}: {desc})")
+            raise ExerciseError(
+                f"Exercise {key}: {name} returned None: did you forget `return`? (test case {i}: {desc})"
+            )
         for a, b in zip(args, inputs):
             if isinstance(a, torch.Tensor) and not torch.equal(a, b):
-                raise ExerciseError(f"Exercise {key}: {name} modified its input in place "
-                                    f"(test case {i}: {desc}); work on copies")
+                raise ExerciseError(
+                    f"Exercise {key}: {name} modified its input in place (test case {i}: {desc}); work on copies"
+                )
         if ex.verify is not None:
             try:
                 msg = ex.verify(got, *args)
@@ -311,8 +382,9 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
         else:
             msg = _compare(got, ex.reference(*args), ex)
         if msg is not None:
-            raise ExerciseError(f"Exercise {key}: {name} is not right yet on test case {i} ({desc}): "
-                                f"{msg}. Hint: {ex.hint}.")
+            raise ExerciseError(
+                f"Exercise {key}: {name} is not right yet on test case {i} ({desc}): {msg}. Hint: {ex.hint}."
+            )
     if not quiet:
         print(f"Exercise {key} passed ({len(cases)} test cases).")
 
