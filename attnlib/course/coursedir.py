@@ -364,6 +364,8 @@ def _describe(ename: str, evalue: str) -> str:
     if ename == "CellTimeoutError":
         return "the cell did not finish before the time limit (an endless loop?)"
     first = evalue.splitlines()[0] if evalue else ""
+    if ename == "ExerciseError" and first:  # the graders' own one-line messages
+        return first
     return f"{ename}: {first}" if first else ename
 
 
@@ -385,17 +387,22 @@ def _messages(nb: dict, release: dict) -> Dict[str, str]:
         err = _error(cell)
         if err is not None:
             own = _describe(*err)
-            cause = None
-            window = [(j, c) for j, c in enumerate(cells[last_graded + 1 : i], last_graded + 1)]
-            earlier = [(j, c) for j, c in enumerate(cells[:i]) if (j, c) not in window]
-            for j, c in window + earlier:
-                if c.get("cell_type") == "code" and not _nbgrader(c).get("grade") and _error(c) is not None:
-                    cause = f"{_cell_name(c, j)} raised {_describe(*_error(c))}"
-                    break
+
+            def failed(cells_):
+                for j, c in cells_:
+                    if c.get("cell_type") == "code" and not _nbgrader(c).get("grade") and _error(c) is not None:
+                        return f"{_cell_name(c, j)} raised {_describe(*_error(c))}"
+                return None
+
+            # the student's cells of this exercise first, then a deleted solution cell, then anything earlier
+            cause = failed(list(enumerate(cells[last_graded + 1 : i], last_graded + 1)))
             if cause is None and err[0] == "NameError":
-                missing = [g for g in released if g.startswith(meta["grade_id"] + "-") and g not in nbgrader_ids(nb)]
+                present = set(nbgrader_ids(nb))
+                missing = [g for g in released if g == meta["grade_id"] + "-solution" and g not in present]
                 if missing:
                     cause = f"the solution cell {missing[0]} is missing"
+                else:
+                    cause = failed(list(enumerate(cells[: last_graded + 1])))
             out[meta["grade_id"]] = f"{cause}, so the check failed: {own}" if cause else own
         last_graded = i
     return out
