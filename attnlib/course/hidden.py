@@ -16,7 +16,7 @@ Policy for library functions (also stated on the book's instructors page):
 an answer that *is* a function of ``attnlib`` (``my_to_factor = al.to_factor``,
 a ``functools.partial`` of one, a grader's reference) or that calls, directly
 or through a wrapper, one of the library functions the exercise asks the
-student to write (found with :func:`sys.setprofile` by the file and name of
+student to write (found with ``sys.setprofile`` by the file and name of
 the code that runs, so renaming does not hide it) earns nothing for that
 exercise; the message names the function.
 

@@ -1,10 +1,9 @@
 r"""MyST to plain Markdown, for the student versions of the chapters.
 
-The book's Markdown is MyST (Jupyter Book): directives such as
-```` ```{exercise} ````, ```` ```{prf:proposition} ````, admonitions and roles
-such as ``{cite}`key` ``, ``{doc}`ch3_factorization` `` and
-``{prf:ref}`label` ``. JupyterLab and the classic notebook show those as raw
-source. :func:`to_markdown` rewrites them at release into the Markdown every
+The book's Markdown is MyST (Jupyter Book): directives such as ``{exercise}``
+and ``{prf:proposition}``, admonitions, and roles such as ``{cite}``,
+``{doc}`` and ``{prf:ref}``. JupyterLab and the classic notebook show those
+as raw source. :func:`to_markdown` rewrites them at release into the Markdown every
 notebook front end renders (headings, bold lead-ins, block quotes, ``$$``
 math), so the handouts need no JupyterLab extension. Maths in ``$...$`` and
 ``$$...$$`` is left alone: every front end renders it with MathJax.
