@@ -4,7 +4,7 @@ Every chapter ends with exercises in which the reader writes functions (and
 derivations, graded by hand). :func:`check` compares a function with the
 library's own implementation (or, where many answers are right, checks the
 defining properties) on a few fixed float64 test cases and raises
-:class:`ExerciseError` with a message that says what went wrong, with a hint
+:class:`~attnlib.course.hidden.ExerciseError` with a message that says what went wrong, with a hint
 unless ``hints=False``. The book calls ``check`` after each worked solution;
 a student's notebook calls it in the graded cells for feedback.
 
@@ -398,7 +398,7 @@ def _compare(got, want, ex: Exercise) -> str | None:
 def check(key: str, fn: Callable, *, quiet: bool = False, hints: bool = True) -> None:
     """Grade ``fn`` as the answer to exercise ``key`` (for example ``"2.1"``).
 
-    Runs ``fn`` on each test case and raises :class:`ExerciseError` with a
+    Runs ``fn`` on each test case and raises :class:`~attnlib.course.hidden.ExerciseError` with a
     one-line message on the first failure: the stub still in place, an
     exception, a wrong shape, non-finite values, a wrong value (with a hint
     unless ``hints=False``), or an answer that the library policy rules out
