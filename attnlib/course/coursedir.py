@@ -104,6 +104,13 @@ def _api(root: Path):
     bindir = str(Path(sys.executable).parent)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    # the kernels that run the submissions import the attnlib this process uses (a checkout, in
+    # development, may not be the installed copy)
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if str(checkout) not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(checkout)] + [p for p in paths if p])
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
 
