@@ -107,6 +107,13 @@ def test_adds_missing_blocks(tmp_path):
     assert cfg["repository"]["url"] == TEST_REPOSITORY and cfg["launch_buttons"]["thebe"] is True
 
 
+def test_refuses_html_theme_options(tmp_path):
+    path = tmp_path / "_config.yml"
+    path.write_text('sphinx:\n  config:\n    html_theme_options:\n      search_bar_text: "x"\n')
+    with pytest.raises(ValueError, match="html_theme_options"):
+        sr.set_repository(TEST_REPOSITORY, "main", path)
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -150,12 +150,20 @@ def substitute(text: str, url: str, branch: str = "main") -> str:
     import yaml
 
     wanted = settings(url, branch)
+    before = yaml.safe_load(text) or {}
+    if "html_theme_options" in (((before.get("sphinx") or {}).get("config")) or {}):
+        # Jupyter Book 1.x: sphinx.config.html_theme_options replaces the theme options it derives
+        # from launch_buttons and repository, so the buttons set here would silently vanish
+        raise ValueError(
+            "_config.yml sets sphinx.config.html_theme_options, which replaces launch_buttons and "
+            "repository wholesale; move those settings to the top-level keys"
+        )
     lines = text.splitlines()
     for key, values in wanted.items():
         lines = _set_block_keys(lines, key, values)
     out = "\n".join(lines) + "\n"
     # the result must parse, carry the values, and leave every other key as it was
-    before, after = yaml.safe_load(text) or {}, yaml.safe_load(out)
+    after = yaml.safe_load(out)
     expected = dict(before)
     for key, values in wanted.items():
         expected[key] = {**(before.get(key) or {}), **values}
@@ -256,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: colab-install cell {'written' if changed else 'already up to date'}")
     except UsageError as exc:
         parser.error(str(exc))
+    except (ValueError, RuntimeError) as exc:  # a config or notebook the script cannot edit safely
+        parser.error(f"--config/--notebook: {exc}")
     return 0
 
 
