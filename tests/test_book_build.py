@@ -1,4 +1,8 @@
-"""The book builds to HTML with warnings as errors (-W -n --keep-going)."""
+"""The book builds to HTML with warnings as errors (-W -n --keep-going).
+
+The build is the session fixture `built_book` (tests/conftest.py): a copy of the sources, published
+for a test repository, with the committed notebook outputs (execution off)."""
+
 import pytest
 
 
@@ -18,3 +22,13 @@ def test_mathjax_is_served_by_the_book(built_book):
     assert "cdn.jsdelivr" not in page and "mathjax@3" not in page
     assert (html / "_static" / "mathjax" / "tex-mml-chtml.js").is_file()
     assert (html / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2").is_dir()
+
+
+@pytest.mark.slow
+def test_phone_stylesheet_is_served(built_book):
+    html, _, _ = built_book
+    for chapter in ("ch1_model", "ch6_scaling"):
+        page = (html / "book" / f"{chapter}.html").read_text()
+        assert 'href="../_static/custom.css' in page
+    css = (html / "_static" / "custom.css").read_text()
+    assert "overflow-x: auto" in css and "max-width: 100%" in css
