@@ -382,7 +382,7 @@ def one_point_ratios(A, B, task: Task, lam: float = 1.0) -> dict:
 def sample_one_point_ratios(task: Task, radius: float, n_samples: int, *, lam: float = 1.0, seed: int = 0) -> dict:
     """:func:`one_point_ratios` at ``n_samples`` random points: a random balanced minimum moved by a
     random direction of P-norm ``radius`` (point ``i`` uses the streams ``"manifold"`` and
-    ``"perturbation"`` of :func:`~attnlib.rng.derive_seed`). Returns a dict of numpy arrays."""
+    ``"perturbation"`` of ``attnlib.derive_seed``). Returns a dict of numpy arrays."""
     n_samples = check_positive_int(n_samples, "n_samples")
     out = {k: [] for k in ("dist_P", "alpha_P", "beta_P", "alpha_E", "beta_E")}
     for i in range(int(n_samples)):
