@@ -9,7 +9,7 @@ renormalisation). Every function validates its inputs and raises
 
 Convention: parameters first, then data or task (``attention(A, B, X)``,
 ``empirical_loss(A, B, X, Y)``, ``hessian(A, B, task)``); wherever the token
-covariance is needed, a matrix ``Sigma`` or a :class:`Task` is accepted.
+covariance is needed, a matrix ``Sigma`` or a :class:`~attnlib.task.Task` is accepted.
 
 Importing attnlib sets torch's thread count once (:mod:`attnlib.runtime`;
 override with the environment variable ``ATTNLIB_NUM_THREADS``). The course
