@@ -205,18 +205,22 @@ def averaged_error_constant(A, B, Sigma: SigmaLike) -> float:
     return float((torch.sum(At * At) + torch.trace(torch.linalg.solve(I2K, G))) / math.sqrt(det))
 
 
-def averaged_error_exponent(A, B, Sigma: SigmaLike) -> float:
-    r"""Heuristic exponent of the query-averaged error in ``n``: ``-min(1, 1 / (2 lambda_max(C^T C)))``.
+def averaged_error_exponent(A, B, Sigma: SigmaLike) -> Tuple[float, float]:
+    r"""Heuristic range ``(fast, slow)`` of the exponent of the query-averaged error in ``n``.
 
-    Ours, not the paper's: below the threshold the averaged constant is finite
-    and the error is ``kappa / n``; above it, a query of softmax exponent ``t``
-    contributes ``min(e^t / n, O(t))`` and ``t = z^T C^T C z`` has tail
-    ``P(t > u) ~ exp(-u / (2 lambda_max))``, so the average is
-    ``n^{-1 / (2 lambda_max)}`` up to powers of ``log n``. At the threshold
-    itself the exponent is -1 with a logarithmic correction.
+    Ours, not the paper's. With ``lam = lambda_max(C^T C)``: ``fast = -min(1, 1/2 + 1/(4 lam))``
+    and ``slow = -min(1, 1/(2 lam))``; both are -1 below the threshold 1/2, where the
+    averaged constant is finite. Above it, a query of softmax exponent ``u = a^T Sigma a``
+    (tail ``P(u > t) ~ exp(-t / (2 lam))``) has error ``kappa(q)/n ~ e^u/n`` once its weights'
+    second moment is realised, ``n >> e^{2u}``; the queries with ``u < log(n)/2`` alone
+    contribute ``n^{-1/2 - 1/(4 lam)}`` (the fast end). If every query had error at most
+    ``min(kappa(q)/n, O(u))``, the average would be ``n^{-1/(2 lam)}`` (the slow end).
+    Both up to powers of ``log n``.
     """
     lam = softmax_scale(A, B, Sigma)
-    return -min(1.0, 1.0 / (2.0 * lam)) if lam > 0 else -1.0
+    if lam <= HEAVY_TAIL_THRESHOLD:
+        return -1.0, -1.0
+    return -min(1.0, 0.5 + 0.25 / lam), -min(1.0, 0.5 / lam)
 
 
 def orbit_to_scale(A, B, Sigma: SigmaLike, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -97,8 +97,12 @@ def test_averaged_error_constant_is_infinite_from_the_threshold_on(t2):
 
 def test_averaged_error_exponent(t2):
     task, A, B = t2
-    assert fn.averaged_error_exponent(*fn.orbit_to_scale(A, B, task, 0.3), task) == -1.0
-    assert fn.averaged_error_exponent(*fn.orbit_to_scale(A, B, task, 1.25), task) == pytest.approx(-0.4)
+    assert fn.averaged_error_exponent(*fn.orbit_to_scale(A, B, task, 0.3), task) == (-1.0, -1.0)
+    fast, slow = fn.averaged_error_exponent(*fn.orbit_to_scale(A, B, task, 1.25), task)
+    assert fast == pytest.approx(-0.7) and slow == pytest.approx(-0.4)
+    # continuous at the threshold
+    fast, slow = fn.averaged_error_exponent(*fn.orbit_to_scale(A, B, task, 0.5 + 1e-9), task)
+    assert fast == pytest.approx(-1.0, abs=1e-8) and slow == pytest.approx(-1.0, abs=1e-8)
 
 
 def test_orbit_to_scale_keeps_the_limit_map(t2):
