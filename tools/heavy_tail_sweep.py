@@ -11,7 +11,7 @@ scales in SELF_SCALES, also over the sequence's own tokens as queries (``include
     python tools/heavy_tail_sweep.py                      # full sweep (resumes an interrupted run)
     python tools/heavy_tail_sweep.py --quick --out /tmp/x.csv   # a few seconds, for a smoke test
 
-The full sweep took about 20 minutes on one core of the 2-core development machine.
+The full sweep took 18 minutes (1071 s) on one core of the shared 2-core development machine.
 """
 
 from __future__ import annotations
