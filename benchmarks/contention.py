@@ -79,7 +79,11 @@ def run_notebook(chapter: str, timeout: int, write: bool = False) -> float:
 
     nb = nbformat.read(str(ROOT / "book" / f"{chapter}.ipynb"), 4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "book")}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(ROOT / "book")}},
     )
     t0 = time.perf_counter()
     client.execute()
