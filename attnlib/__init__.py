@@ -9,7 +9,7 @@ renormalisation). Every function validates its inputs and raises
 
 Convention: parameters first, then data or task (``attention(A, B, X)``,
 ``empirical_loss(A, B, X, Y)``, ``hessian(A, B, task)``); wherever the token
-covariance is needed, a matrix ``Sigma`` or a :class:`Task` is accepted.
+covariance is needed, a matrix ``Sigma`` or a :class:`~attnlib.task.Task` is accepted.
 
 Importing attnlib sets torch's thread count once (:mod:`attnlib.runtime`;
 override with the environment variable ``ATTNLIB_NUM_THREADS``). The course
@@ -22,7 +22,16 @@ from .runtime import configure_threads as _configure_threads
 _configure_threads()
 
 from .attention import attention, attention_limit, attention_reference, attention_weights, empirical_loss  # noqa: E402
-from .finite_n import effective_sample_size, finite_n_error, heldout_loss, limit_error_prediction  # noqa: E402
+from .finite_n import (  # noqa: E402
+    HEAVY_TAIL_THRESHOLD,
+    effective_sample_size,
+    finite_n_error,
+    heldout_loss,
+    limit_error_prediction,
+    orbit_to_scale,
+    query_averaged_error,
+    softmax_scale,
+)
 from .fits import PowerLawFit, fit_geometric_rate, fit_power_law  # noqa: E402
 from .geometry import (  # noqa: E402
     distance_to_manifold,
@@ -74,6 +83,10 @@ __all__ = [
     "limit_error_prediction",
     "finite_n_error",
     "heldout_loss",
+    "softmax_scale",
+    "HEAVY_TAIL_THRESHOLD",
+    "orbit_to_scale",
+    "query_averaged_error",
     # geometry
     "to_factor",
     "from_factor",

@@ -5,14 +5,17 @@ Change of variables (``Sigma`` the token covariance, or ``Sigmahat`` for a sampl
 .. math:: \tilde A = A \Sigma^{1/2}, \qquad C = \Sigma^{1/2} B^\top \Sigma^{1/2}, \qquad
           T = M \Sigma^{1/2},
 
-under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With the thin SVD
-``T = U S V^T`` (rank ``r``) the balanced global minima are
+under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With a thin SVD
+``T = U S V^T`` (rank ``r``, any ``r <= min(k, d)``; repeated singular values allowed,
+the singular vectors being the ones :attr:`~attnlib.task.Task.svd` returns) the balanced global minima are
 
 .. math:: \mathcal S = \{(U S^{1/2} W^\top,\; W S^{1/2} V^\top) : W \in \mathbb R^{d\times r},\ W^\top W = I\},
 
-the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm projection onto
-``S`` is an orthogonal Procrustes problem solved by the polar factor of
-``N = At^T U S^{1/2} + C V S^{1/2}``.
+(another choice of singular vectors gives the same set, with ``W`` rotated within the blocks
+of equal singular values), the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm
+projection onto ``S`` is an orthogonal Procrustes problem solved by the polar factor of
+``N = At^T U S^{1/2} + C V S^{1/2}`` (unique when ``N`` has rank ``r``; otherwise every
+polar factor gives a closest point and the distance is the same).
 
 Functions that need the covariance accept either a matrix ``Sigma`` or a
 :class:`~attnlib.task.Task` (whose cached square roots are then reused).
@@ -151,7 +154,9 @@ def project_to_manifold(A, B, task: Task, *, return_W: bool = False):
     """P-norm projection of ``(A, B)`` onto the manifold of balanced minima of ``task``.
 
     Returns ``(A*, B*)`` (and ``W*`` with ``return_W=True``), where
-    ``W* = polar(At^T U S^{1/2} + C V S^{1/2})``.
+    ``W* = polar(At^T U S^{1/2} + C V S^{1/2})``. The closest point is unique when that
+    matrix has full column rank ``r``; otherwise this is one of the closest points.
+    Repeated singular values of ``T`` and ``rank T < k`` are allowed.
     """
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")

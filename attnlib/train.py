@@ -20,7 +20,7 @@ Architecture. One loop (:func:`run`) drives a *step rule* (:class:`Step`)
 on an :class:`Objective`; a :class:`DivergenceGuard` is the single place that
 decides what a non-finite or overflowing iterate means, and a
 :class:`Recorder` the single place that writes the :class:`History`. A
-method is a name in :data:`METHODS` mapped to a :class:`Method` (a factory
+method is a name in :data:`~attnlib.train.METHODS` mapped to a :class:`Method` (a factory
 for its step rule plus which structured components it uses by default), so
 adding a method is registering one step rule (:func:`register_method`).
 
@@ -267,6 +267,7 @@ class Method:
     preconditionable: bool = True
 
 
+#: The registered training methods, by name (see :func:`register_method`).
 METHODS: Dict[str, Method] = {}
 
 
@@ -561,7 +562,8 @@ def train(
     Parameters
     ----------
     steps, lr : number of updates and step size.
-    method : a name in :data:`METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"`` or ``"adam"``.
+    method : a name in :data:`~attnlib.train.METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``,
+        ``"sgd"`` or ``"adam"``.
     init : ``"spectral"`` (:func:`~attnlib.init.spectral_init`), ``"random"``
         (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``
         (parameters of the layer on the raw tokens, also with ``whiten=True``).

@@ -6,10 +6,50 @@ import torch
 import attnlib as al
 
 
-@pytest.fixture(params=[(5, 3, None), (6, 2, None), (5, 4, 2)], ids=["d5k3", "d6k2", "d5k4r2"])
+def task_with_svd(d, k, s, *, cond=30.0, seed=0):
+    """A task whose T = M Sigma^{1/2} has the singular values ``s`` (repeats and rank < k allowed)."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    U, _ = torch.linalg.qr(torch.randn(k, len(s), generator=g, dtype=f64))
+    V, _ = torch.linalg.qr(torch.randn(d, len(s), generator=g, dtype=f64))
+    Q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=f64))
+    Sigma = (Q * torch.logspace(0, torch.log10(torch.tensor(cond)).item(), d, dtype=f64)) @ Q.T
+    return al.Task(Sigma, (U * torch.tensor(s, dtype=f64)) @ V.T @ al.sym_inv_sqrt(Sigma))
+
+
+@pytest.fixture(
+    params=[(5, 3, None), (6, 2, None), (5, 4, 2), (6, 4, (1.0, 1.0, 0.5))], ids=["d5k3", "d6k2", "d5k4r2", "d6k4rep"]
+)
 def gtask(request):
     d, k, r = request.param
+    if isinstance(r, tuple):  # repeated singular values, rank 3 < k = 4
+        return task_with_svd(d, k, r, seed=d + k)
     return al.Task.random(d, k, cond=30.0, signal=1.5, rank=r, seed=d + k)
+
+
+def test_every_balanced_minimum_is_on_the_manifold_with_repeated_singular_values():
+    task = task_with_svd(6, 4, (1.0, 1.0, 0.5), seed=1)
+    U, s, V = task.svd
+    assert task.rank == 3 < task.k and abs(float(s[0] - s[1])) < 1e-12
+    g = torch.Generator().manual_seed(2)
+    f64 = torch.float64
+    # (i) from another SVD of T: rotate the singular vectors of the repeated pair
+    c, sn = 0.6, 0.8
+    Qb = torch.eye(3, dtype=f64)
+    Qb[:2, :2] = torch.tensor([[c, -sn], [sn, c]], dtype=f64)
+    U2, V2 = U @ Qb, V @ Qb
+    assert torch.allclose((U2 * s) @ V2.T, task.T, atol=1e-12)
+    W, _ = torch.linalg.qr(torch.randn(6, 3, generator=g, dtype=f64))
+    sh = s.sqrt()
+    A, B = al.from_factor((U2 * sh) @ W.T, (W * sh) @ V2.T, task)
+    # (ii) the balanced re-factorization of a minimum moved by a general G
+    Am, Bm, _ = al.random_manifold_point(task, seed=3)
+    G = torch.eye(6, dtype=f64) + 0.3 * torch.randn(6, 6, generator=g, dtype=f64)
+    A3, B3 = al.renormalize(*al.apply_symmetry(Am, Bm, G, task), task, "balance")
+    for A_, B_ in ((A, B), (A3, B3)):
+        At, C = al.to_factor(A_, B_, task)
+        assert float(task.excess_risk(A_, B_)) < 1e-20 and torch.allclose(At.T @ At, C @ C.T, atol=1e-10)
+        assert float(al.distance_to_manifold(A_, B_, task)) < 1e-10  # it is (U S^1/2 W^T, W S^1/2 V^T) for some W
 
 
 def test_manifold_points_are_balanced_minima_at_distance_zero(gtask):
