@@ -184,10 +184,18 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     ``mode="balance"``: replace ``(At, C)`` by the closest (Frobenius) balanced
     factorization of the current product ``P = At C``: with ``P = U S V^T``,
     ``(U S^{1/2} W^T, W S^{1/2} V^T)`` and ``W`` from Procrustes. Among all
-    factorizations of ``P`` this one has the smallest ``||At||^2 + ||C||^2``, so
-    ``||C||_F^2 = ||P||_*`` (nuclear norm) bounds the softmax scale.
+    factorizations of ``P`` the balanced ones minimise the total norm
+    ``(||At||_F^2 + ||C||_F^2) / 2``, and the minimum is the nuclear norm ``||P||_*``.
+    ``||C||_F^2`` alone is *not* minimised by them: ``(t At, C / t)`` factors the same
+    product with ``||C||_F^2`` as small as one likes. At a balanced factorization
+    ``||C||_F^2 = ||P||_*`` and ``lambda_max(C^T C) = s_1(P)``, so the softmax scale is
+    fixed by the product alone. The scaling mode does not re-balance (it only
+    equalises the two norms).
 
-    Both leave the population loss unchanged (they keep ``At C``).
+    Both leave the population loss unchanged (they keep ``At C``). If the product
+    is not finite (a diverging iterate), ``"balance"`` returns NaN parameters, so
+    that a training loop's divergence guard stops instead of continuing from a
+    meaningless re-factorization.
     """
     if mode not in ("scale", "balance"):
         raise ValueError(f"mode: expected 'scale' or 'balance', got {mode!r}")
@@ -201,6 +209,10 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
         c = torch.sqrt(na / nc)
         return A / c, B * c
     P = At @ C
+    if not bool(torch.isfinite(P).all()):
+        # the product overflowed (a diverging iterate): no factorization to re-balance; NaN tells the caller
+        nan = float("nan")
+        return torch.full_like(A, nan), torch.full_like(B, nan)
     r = numerical_rank(P)
     if r == 0:
         return torch.zeros_like(A), torch.zeros_like(B)

@@ -135,8 +135,36 @@ def test_renormalize_keeps_the_product(gtask, mode):
         assert torch.allclose(At2.T @ At2, C2 @ C2.T, atol=1e-10)
         nuc = float(torch.linalg.svdvals(At @ C).sum())
         assert float((C2**2).sum()) == pytest.approx(nuc, rel=1e-10)
-        # minimal norm among factorizations of the product
+        # least total norm among factorizations of the product: (||At||^2 + ||C||^2) / 2 = ||P||_*
+        assert 0.5 * float((At2**2).sum() + (C2**2).sum()) == pytest.approx(nuc, rel=1e-10)
         assert float((At2**2).sum() + (C2**2).sum()) <= float((At**2).sum() + (C**2).sum()) + 1e-12
+        # the softmax scale of the balanced factorization is set by the product: lambda_max(C^T C) = s_1(P)
+        s1 = float(torch.linalg.svdvals(At @ C)[0])
+        assert float(torch.linalg.eigvalsh(C2.T @ C2)[-1]) == pytest.approx(s1, rel=1e-10)
+        # but ||C||_F^2 alone is not minimal: (2 At, C / 2) factors the same product with a quarter of it
+        assert float(((C2 / 2) ** 2).sum()) < float((C2**2).sum())
+        assert torch.allclose((2 * At2) @ (C2 / 2), At @ C, atol=1e-10)
+
+
+def test_balanced_factorization_minimises_the_total_norm(gtask):
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(gtask.k, gtask.d, generator=g, dtype=torch.float64)
+    B = torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64)
+    Ab, Bb = al.renormalize(A, B, gtask, "balance")
+    At, C = al.to_factor(Ab, Bb, gtask)
+    best = 0.5 * float((At**2).sum() + (C**2).sum())
+    for _ in range(200):  # every other factorization (At G, G^{-1} C) has at least this total norm
+        G = torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64)
+        other = 0.5 * float(((At @ G) ** 2).sum() + ((torch.linalg.inv(G) @ C) ** 2).sum())
+        assert other >= best - 1e-9
+
+
+def test_renormalize_of_an_overflowing_product_is_nan(gtask):
+    """A diverging iterate whose product overflows has no renormalisation: NaN, so the training guard stops."""
+    A = torch.full((gtask.k, gtask.d), 1e200, dtype=torch.float64)
+    B = torch.full((gtask.d, gtask.d), 1e200, dtype=torch.float64)
+    A2, B2 = al.renormalize(A, B, gtask, "balance")
+    assert torch.isnan(A2).all() and torch.isnan(B2).all()
 
 
 def test_spectral_init_is_balanced_and_exact_on_its_empirical_manifold():
