@@ -20,6 +20,8 @@ variable ``ATTNLIB_NUM_THREADS``).
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "0.2.0"
 
@@ -111,6 +113,23 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnlib' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """The package module: a submodule that shares its name with an exported function (``train``)
+    does not replace the function when the import system binds the submodule on first import."""
+
+    def __setattr__(self, name, value):
+        if (
+            isinstance(value, types.ModuleType)
+            and _EXPORTS.get(name) == name
+            and value.__name__ == f"{__name__}.{name}"
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():
