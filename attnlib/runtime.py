@@ -1,13 +1,14 @@
 """How many CPU threads torch uses: decided here, and only here.
 
 torch's default intra-op thread count is the number of cores it sees, which
-is wrong twice over on small machines: containers (Binder, CI runners) often
-show many cores but grant one through the cgroup CPU quota, and on a busy
-2-core machine two threads that spin-wait for each other collapse (measured:
-one structured training step at n = 1024 took 38 ms with one thread and
-760 ms with two while another CPU-bound process ran; see
-``benchmarks/contention.py``). The book's problems are small (d <= 8), so
-intra-op parallelism gains little even on an idle machine.
+is wrong on small machines: containers (Binder, CI runners) often show many
+cores but grant one through the cgroup CPU quota, and oversubscribed threads
+spin-wait for each other. A referee measured one structured training step at
+n = 1024 taking 38 ms with one thread and 760 ms with two while another
+CPU-bound process ran; our own run of ``benchmarks/contention.py`` (table in
+``benchmarks/contention.md``) did not reproduce the collapse with one busy
+loop (200 steps: 11.3 s with one thread, 8.3 s with two). The book's problems
+are small (d <= 8), so intra-op parallelism gains little even on an idle machine.
 
 Policy, applied once per process when the first attnlib module that computes
 with torch is imported (``attnlib._validate`` calls :func:`configure_threads`):
