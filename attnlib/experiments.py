@@ -66,6 +66,7 @@ __all__ = [
     "fit_floor",
     "spectral_constant",
     "lower_bound_constant",
+    "van_trees_bound",
     "prompt_excess",
     "fit_prompt_exponent",
     "main",
@@ -410,6 +411,26 @@ def lower_bound_constant(task: Task) -> float:
     ``Sigma = s Sigma_0``; see the book's chapter on the scaling law for the proof.
     """
     return float(torch.sum(task.T**2)) / task.d
+
+
+def van_trees_bound(task: Task, n: int, h: float = 0.5) -> float:
+    r"""Explicit regime-(i) lower bound on the Bayes risk over the scale family ``Sigma = s Sigma_task``.
+
+    Prior ``pi(s) = cos^2(pi (s - 1) / (2 h)) / h`` on ``[1 - h, 1 + h]`` (Fisher information
+    ``J(pi) = pi^2 / h^2``); for any estimator built from one sequence of ``n`` tokens,
+    ``int E_s[L_s - L*] pi(s) ds >= (a^3 ||T||_F^2 / 2) (E s^-2)^2 / (n d E[s^-2] / 2 + J)`` with
+    ``a = 1 - h``. Tends to ``||T||_F^2 / (n d)`` (:func:`lower_bound_constant`) as ``h -> 0`` slowly
+    while ``n -> inf``.
+    """
+    if not 0 < float(h) < 1:
+        raise ValueError(f"h: expected a half-width in (0, 1), got {h!r}")
+    u = np.linspace(-h, h, 20001)
+    prior = np.cos(np.pi * u / (2 * h)) ** 2 / h
+    w = prior * (u[1] - u[0])
+    e2 = float(np.sum(w / (1 + u) ** 2))
+    J = math.pi**2 / h**2
+    t2 = float(torch.sum(task.T**2))
+    return (1 - h) ** 3 * t2 / 2 * e2**2 / (n * task.d * e2 / 2 + J)
 
 
 def prompt_excess(rows, label: str) -> Dict[int, dict]:

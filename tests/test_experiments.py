@@ -71,6 +71,16 @@ def test_spectral_constant_matches_a_monte_carlo_estimate():
     assert ex.lower_bound_constant(task) < ex.spectral_constant(task)
 
 
+def test_van_trees_bound():
+    task = ex.make_task()
+    assert 0 < ex.van_trees_bound(task, 100) < ex.van_trees_bound(task, 10) < ex.lower_bound_constant(task) / 10
+    # h -> 0 slowly as n -> inf: n * bound -> ||T||_F^2 / d
+    n = 10**9
+    assert n * ex.van_trees_bound(task, n, h=0.02) == pytest.approx(ex.lower_bound_constant(task), rel=0.07)
+    with pytest.raises(ValueError, match="h"):
+        ex.van_trees_bound(task, 10, h=1.5)
+
+
 def test_values_by_n_and_fit_floor_on_known_rows():
     rng = np.random.default_rng(0)
     rows = []
