@@ -15,7 +15,7 @@ Regime (i), ``n`` = the number of tokens of the one training sequence:
   sequences per ``n`` (16 .. 16384) and noise level (0, 0.1); every ``(n, noise, seed)`` has its
   own stream, so no sequence is a prefix of another;
 * ``trained``: Algorithm 1 for 80 steps (step 0.5) with the balancing renormalisation (exactly
-  ``attnlib.train(method="structured")``) and with the capped one of :mod:`attnlib.renorm`
+  ``attnlib.train(method="structured")``) and with the capped one of ``attnlib.renorm``
   (``kappa = 0.25``), noise 0 and 0.1 on independent sequences, 40 seeds per ``n`` (32 .. 1024);
   rows at steps 0 (spectral initialisation), 1, 2, 3, 5, 10, 20, 40, 60, 80; test loss on fresh
   sequences of length ``n`` at steps 0 and 80;
@@ -26,7 +26,7 @@ Regime (i), ``n`` = the number of tokens of the one training sequence:
 
 Regime (ii), ``n`` = context length, infinitely many prompts:
 
-* ``prompts``: :func:`attnlib.prompts.run_chain` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
+* ``prompts``: ``attnlib.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
   last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalisations ``cap`` 0.25,
   ``fix`` 0.375, ``fix`` 0.7 and ``balance``, which gives ``s_1(T) = 0.94`` for this task), 6
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
@@ -52,7 +52,7 @@ from .prompts import excess_ustat, run_chain
 from .renorm import orbit_distance, softmax_scale, train_sequence
 from .rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
-from .stats import ExponentFit, fit_exponent, wls_exponent
+from .stats import ExponentFit, fit_exponent, ustat_exponent
 from .task import Task
 from .train import Recorder, train
 
@@ -72,7 +72,7 @@ __all__ = [
     "main",
 ]
 
-#: The task every sweep uses (arguments of :meth:`attnlib.Task.random`).
+#: The task every sweep uses (arguments of :meth:`attnlib.task.Task.random`).
 TASK = dict(d=4, k=2, cond=10.0, signal=1.0, seed=0)
 
 
@@ -341,7 +341,7 @@ SWEEPS: Dict[str, dict] = {
 
 
 def sweep(name: str, quick: bool = False) -> Sweep:
-    """The :class:`~attnlib.runner.Sweep` called ``name`` (``quick``: its seconds-long variant for tests)."""
+    """The ``attnlib.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests)."""
     if name not in SWEEPS:
         raise ValueError(f"name: expected one of {tuple(SWEEPS)}, got {name!r}")
     s = SWEEPS[name]
@@ -349,7 +349,7 @@ def sweep(name: str, quick: bool = False) -> Sweep:
 
 
 def load(path: str) -> List[Dict[str, object]]:
-    """Rows of a sweep CSV (complete runs only); see :func:`attnlib.runner.read_sweep`."""
+    """Rows of a sweep CSV (complete runs only); see ``attnlib.runner.read_sweep``."""
     return read_sweep(path)
 
 
@@ -380,7 +380,7 @@ def fit_floor(
     """Exponent of the regime-(i) excess against ``n`` over independent seeds (rows of the ``trained`` sweep).
 
     ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
-    initialisation). ``stat``: fit the per-``n`` mean or median (:func:`attnlib.stats.fit_exponent`).
+    initialisation). ``stat``: fit the per-``n`` mean or median (``attnlib.stats.fit_exponent``).
     """
     sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
     if not sel:
@@ -434,7 +434,7 @@ def van_trees_bound(task: Task, n: int, h: float = 0.5) -> float:
 
 
 def prompt_excess(rows, label: str) -> Dict[int, dict]:
-    """Per ``n``: :func:`attnlib.prompts.excess_ustat` of the chains of the regime-(ii) scale ``label``."""
+    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
     task = make_task(0.0)
     k, d = task.k, task.d
     by_n: Dict[int, list] = {}
@@ -447,19 +447,15 @@ def prompt_excess(rows, label: str) -> Dict[int, dict]:
 
 
 def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: float = 0.95) -> ExponentFit:
-    """Exponent of the regime-(ii) excess against ``n``: U-statistics over chains, their jackknife
-    relative errors pooled over ``n`` (equal weights; see :func:`attnlib.stats.wls_exponent`)."""
+    """Exponent of the regime-(ii) excess against ``n``: ``attnlib.stats.ustat_exponent`` of the
+    U-statistics over chains (relative errors pooled over ``n``, Student's t)."""
     est = {
         n: e
         for n, e in prompt_excess(rows, label).items()
         if (n_min is None or n >= n_min) and (n_max is None or n <= n_max)
     }
     ns = sorted(est)
-    if any(est[n]["excess"] <= 0 for n in ns):
-        raise ValueError(f"rows: a U-statistic is not positive for label {label!r}; more chains are needed")
-    return wls_exponent(
-        ns, [est[n]["excess"] for n in ns], [est[n]["se"] / est[n]["excess"] for n in ns], level=level, pool_se=True
-    )
+    return ustat_exponent(ns, [est[n] for n in ns], level=level)
 
 
 # ----------------------------------------------------------------------------- CLI

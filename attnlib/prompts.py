@@ -76,7 +76,7 @@ def _check_prompts(X, Y=None):
 def sample_prompts(task: Task, n: int, prompts: int, *, seed=None, generator=None):
     """``prompts`` independent prompts of ``n`` tokens: ``X`` (P, n, d) and ``Y`` (P, n, k).
 
-    Drawn with :meth:`Task.sample` (float64 on the CPU from the seed or generator, then moved
+    Drawn with :meth:`attnlib.task.Task.sample` (float64 on the CPU from the seed or generator, then moved
     to the task's dtype and device); prompt ``b`` is rows ``b n .. (b + 1) n - 1`` of one draw.
     """
     task = _check_task(task)
@@ -90,7 +90,7 @@ def batched_attention(A, B, X) -> torch.Tensor:
     """Self-attention of every prompt at once, fused kernel: ``X`` (P, n, d) -> (P, n, k).
 
     Row ``i`` of prompt ``b`` is ``A sum_j pi_ij x_j`` with ``pi_i = softmax_j(x_i^T B x_j)`` over
-    the ``n`` tokens of that prompt (itself included): :func:`attnlib.attention` per prompt.
+    the ``n`` tokens of that prompt (itself included): :func:`attnlib.attention.attention` per prompt.
     """
     X, _ = _check_prompts(X)
     d = X.shape[2]
@@ -215,7 +215,7 @@ def run_chain(
     """The structured algorithm on the expected loss ``L_n`` (regime (ii)), one chain.
 
     Start: ``init = (A, B)`` or, by default, the balanced minimum ``W = V`` of ``task``
-    (:func:`attnlib.manifold_point`), renormalised with ``mode``/``kappa``. Each of ``steps``
+    (:func:`attnlib.geometry.manifold_point`), renormalised with ``mode``/``kappa``. Each of ``steps``
     updates draws ``prompts`` fresh prompts (:class:`PromptObjective`), takes the step of
     :class:`attnlib.renorm.ScaledStructuredStep` (preconditioner ``Sigma^{-1}``; no regularizer)
     and renormalises. The limit map ``A Sigma B^T`` is averaged over iterates ``burn_in .. steps``.

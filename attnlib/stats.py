@@ -10,7 +10,7 @@ by the inverse variances of the per-``n`` log-estimates; its interval is
 the Birge ratio ``sqrt(chi^2 / dof)`` inflating the interval when the points scatter around the
 line more than their standard errors allow (a curved log-log plot, or underestimated errors).
 Per-``n`` summaries: :func:`summarize` (mean: delta method on the log; median: the
-distribution-free order-statistic interval). :func:`local_slopes` gives the slope between
+distribution-free quantile interval). :func:`local_slopes` gives the slope between
 neighbouring ``n`` with its standard error. :func:`coverage` runs a simulation of a design and
 reports how often the interval contains the true exponent; the tests call it with the sweeps'
 designs.
@@ -30,6 +30,7 @@ __all__ = [
     "summarize",
     "wls_exponent",
     "fit_exponent",
+    "ustat_exponent",
     "local_slopes",
     "t_quantile",
     "coverage",
@@ -95,8 +96,9 @@ def summarize(values, stat: str = "mean") -> tuple:
 
     ``stat="mean"``: the sample mean, ``se_log = sd / (sqrt(S) mean)`` (delta method).
     ``stat="median"``: the sample median, ``se_log`` = half the log-width of the
-    distribution-free order-statistic interval of the median at 95% (``x_(j)..x_(k)`` with
-    ``j, k = S/2 -+ 1.96 sqrt(S)/2``), divided by 1.96. Returns ``(estimate, se_log)``; needs ``S >= 3`` values.
+    distribution-free interval of the median at 95% (the sample quantiles at
+    ``1/2 -+ 1.96 / (2 sqrt(S))``, interpolated), divided by 1.96.
+    Returns ``(estimate, se_log)``; needs ``S >= 3`` values.
     """
     v = np.asarray(values, dtype=float).ravel()
     if v.size < 3:
@@ -108,12 +110,11 @@ def summarize(values, stat: str = "mean") -> tuple:
         m = float(v.mean())
         return m, float(v.std(ddof=1) / (math.sqrt(S) * m))
     if stat == "median":
-        s = np.sort(v)
         z = NormalDist().inv_cdf(0.975)
-        j = max(0, int(math.floor(S / 2 - z * math.sqrt(S) / 2)))
-        k = min(S - 1, int(math.ceil(S / 2 + z * math.sqrt(S) / 2)) - 1)
+        h = min(0.5, z / (2 * math.sqrt(S)))
+        lo, hi = np.quantile(v, [0.5 - h, 0.5 + h])
         med = float(np.median(v))
-        return med, float((math.log(s[k]) - math.log(s[j])) / (2 * z))
+        return med, float((math.log(hi) - math.log(lo)) / (2 * z))
     raise ValueError(f"stat: expected 'mean' or 'median', got {stat!r}")
 
 
@@ -126,8 +127,9 @@ def wls_exponent(
     times the slope's standard error, inflated by the Birge ratio when ``inflate`` and
     ``chi2 > dof``. ``pool_se`` replaces every ``se_log`` by their root-mean-square first
     (equal weights): per-point errors estimated from few independent units (a median's
-    order statistics, a jackknife over a handful of chains) are noisy, and noisy weights make
-    a weighted fit overconfident (the coverage tests show it). Needs at least three points.
+    quantiles, a jackknife over a handful of chains) are noisy, and noisy weights make a
+    weighted fit overconfident (the coverage tests show it); ``dof_t`` then accounts for the
+    uncertainty of the pooled error. Needs at least three points.
     """
     level = _check_level(level)
     x = np.log(np.asarray(ns, dtype=float).ravel())
@@ -180,7 +182,7 @@ def fit_exponent(
     """:func:`summarize` each ``n``'s independent values, then :func:`wls_exponent` over ``n_min <= n <= n_max``.
 
     ``pool_se`` (default: on for the median) replaces every point's ``se_log`` by their
-    root-mean-square: the order-statistic errors are noisy, and noisy weights make a weighted
+    root-mean-square: the quantile-interval errors are noisy, and noisy weights make a weighted
     fit overconfident; when the values at different ``n`` differ by a scale factor (the model
     being fitted) their log-spread is the same, so pooling loses nothing.
     """
@@ -193,6 +195,30 @@ def fit_exponent(
     if pool_se is None:
         pool_se = stat == "median"
     return wls_exponent(keys, [e[0] for e in est], [e[1] for e in est], level=level, pool_se=pool_se)
+
+
+def ustat_exponent(ns, estimates: Sequence[dict], *, level: float = 0.95) -> ExponentFit:
+    """Exponent from per-``n`` U-statistics over independent chains (dicts of
+    :func:`attnlib.prompts.excess_ustat`: ``excess``, ``se``, ``K``).
+
+    Weighted log-log fit with the jackknife relative errors pooled over ``n``
+    (``pool_se=True``) and Student's t with ``m (K - 1)`` degrees of freedom for the pooled
+    error (``m`` points, ``K`` chains each), as the coverage tests require.
+    """
+    est = list(estimates)
+    if len(est) != len(list(ns)):
+        raise ValueError("estimates: expected one estimate per n")
+    if any(e["excess"] <= 0 for e in est):
+        raise ValueError("estimates: a U-statistic is not positive; more chains are needed")
+    K = min(int(e["K"]) for e in est)
+    return wls_exponent(
+        ns,
+        [e["excess"] for e in est],
+        [e["se"] / e["excess"] for e in est],
+        level=level,
+        pool_se=True,
+        dof_t=len(est) * (K - 1),
+    )
 
 
 def local_slopes(ns, values, se_log) -> np.ndarray:
