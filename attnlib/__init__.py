@@ -9,113 +9,128 @@ renormalisation). Every function validates its inputs and raises
 
 Convention: parameters first, then data or task (``attention(A, B, X)``,
 ``empirical_loss(A, B, X, Y)``, ``hessian(A, B, task)``); wherever the token
-covariance is needed, a matrix ``Sigma`` or a :class:`Task` is accepted.
+covariance is needed, a matrix ``Sigma`` or a :class:`~attnlib.task.Task` is accepted.
 
-Importing attnlib sets torch's thread count once (:mod:`attnlib.runtime`;
-override with the environment variable ``ATTNLIB_NUM_THREADS``). The course
-tools (:mod:`attnlib.course`) are a separate subpackage that this import does
-not load.
+The names below are loaded lazily, on first use: ``import attnlib`` itself
+imports neither torch nor the course tools (:mod:`attnlib.course`), so tools
+that only need the package (``python -m attnlib.course list``) start fast.
+torch's thread count is set once, when the first module that computes with
+torch is imported (:mod:`attnlib.runtime`; override with the environment
+variable ``ATTNLIB_NUM_THREADS``).
 """
 
-from .runtime import configure_threads as _configure_threads
-
-_configure_threads()
-
-from .attention import attention, attention_limit, attention_reference, attention_weights, empirical_loss  # noqa: E402
-from .finite_n import effective_sample_size, finite_n_error, heldout_loss, limit_error_prediction  # noqa: E402
-from .fits import PowerLawFit, fit_geometric_rate, fit_power_law  # noqa: E402
-from .geometry import (  # noqa: E402
-    distance_to_manifold,
-    from_factor,
-    manifold_point,
-    p_inner,
-    p_norm,
-    perturb,
-    project_to_manifold,
-    random_manifold_point,
-    regularizer,
-    renormalize,
-    to_factor,
-)
-from .init import random_init, spectral_init  # noqa: E402
-from .landscape import (  # noqa: E402
-    apply_symmetry,
-    classify_hessian,
-    hessian,
-    landscape_slice,
-    one_point_ratios,
-    orbit_tangent_part,
-    sample_one_point_ratios,
-    stationary_point,
-)
-from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt  # noqa: E402
-from .rng import derive_seed, make_generator  # noqa: E402
-from .runtime import configure_threads, granted_cpus, thread_info  # noqa: E402
-from .task import Task, as_covariance, empirical_task  # noqa: E402
-from .train import METHODS, DivergenceError, History, Method, best_of_grid, register_method, train, train_population  # noqa: E402
+import importlib
+import sys
+import types
 
 __version__ = "0.2.0"
 
-__all__ = [
-    # data and task
-    "Task",
-    "empirical_task",
-    "as_covariance",
-    "make_generator",
-    "derive_seed",
-    # the layer
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "Task": "task",
+    "empirical_task": "task",
+    "as_covariance": "task",
+    "make_generator": "rng",
+    "derive_seed": "rng",
+    "attention": "attention",
+    "attention_reference": "attention",
+    "attention_weights": "attention",
+    "attention_limit": "attention",
+    "empirical_loss": "attention",
+    "effective_sample_size": "finite_n",
+    "limit_error_prediction": "finite_n",
+    "finite_n_error": "finite_n",
+    "heldout_loss": "finite_n",
+    "softmax_scale": "finite_n",
+    "HEAVY_TAIL_THRESHOLD": "finite_n",
+    "orbit_to_scale": "finite_n",
+    "query_averaged_error": "finite_n",
+    "to_factor": "geometry",
+    "from_factor": "geometry",
+    "regularizer": "geometry",
+    "p_norm": "geometry",
+    "p_inner": "geometry",
+    "manifold_point": "geometry",
+    "random_manifold_point": "geometry",
+    "perturb": "geometry",
+    "project_to_manifold": "geometry",
+    "distance_to_manifold": "geometry",
+    "renormalize": "geometry",
+    "apply_symmetry": "landscape",
+    "stationary_point": "landscape",
+    "hessian": "landscape",
+    "classify_hessian": "landscape",
+    "landscape_slice": "landscape",
+    "one_point_ratios": "landscape",
+    "sample_one_point_ratios": "landscape",
+    "orbit_tangent_part": "landscape",
+    "spectral_init": "init",
+    "random_init": "init",
+    "train": "train",
+    "train_population": "train",
+    "best_of_grid": "train",
+    "History": "train",
+    "DivergenceError": "train",
+    "METHODS": "train",
+    "Method": "train",
+    "register_method": "train",
+    "fit_power_law": "fits",
+    "fit_geometric_rate": "fits",
+    "PowerLawFit": "fits",
+    "sym_sqrt": "linalg",
+    "sym_inv_sqrt": "linalg",
+    "polar_factor": "linalg",
+    "numerical_rank": "linalg",
+    "configure_threads": "runtime",
+    "granted_cpus": "runtime",
+    "thread_info": "runtime",
+}
+_SUBMODULES = {
     "attention",
-    "attention_reference",
-    "attention_weights",
-    "attention_limit",
-    "empirical_loss",
-    # the finite-n layer around its limit
-    "effective_sample_size",
-    "limit_error_prediction",
-    "finite_n_error",
-    "heldout_loss",
-    # geometry
-    "to_factor",
-    "from_factor",
-    "regularizer",
-    "p_norm",
-    "p_inner",
-    "manifold_point",
-    "random_manifold_point",
-    "perturb",
-    "project_to_manifold",
-    "distance_to_manifold",
-    "renormalize",
-    # landscape and diagnostics
-    "apply_symmetry",
-    "stationary_point",
-    "hessian",
-    "classify_hessian",
-    "landscape_slice",
-    "one_point_ratios",
-    "sample_one_point_ratios",
-    "orbit_tangent_part",
-    # initialisation and training
-    "spectral_init",
-    "random_init",
+    "course",
+    "experiments",
+    "finite_n",
+    "fits",
+    "geometry",
+    "init",
+    "landscape",
+    "linalg",
+    "plotting",
+    "rng",
+    "runtime",
+    "task",
     "train",
-    "train_population",
-    "best_of_grid",
-    "History",
-    "DivergenceError",
-    "METHODS",
-    "Method",
-    "register_method",
-    # fits
-    "fit_power_law",
-    "fit_geometric_rate",
-    "PowerLawFit",
-    # linear algebra, runtime
-    "sym_sqrt",
-    "sym_inv_sqrt",
-    "polar_factor",
-    "numerical_rank",
-    "configure_threads",
-    "granted_cpus",
-    "thread_info",
-]
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'attnlib' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """The package module: a submodule that shares its name with an exported function (``train``)
+    does not replace the function when the import system binds the submodule on first import."""
+
+    def __setattr__(self, name, value):
+        if (
+            isinstance(value, types.ModuleType)
+            and _EXPORTS.get(name) == name
+            and value.__name__ == f"{__name__}.{name}"
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)

@@ -154,3 +154,10 @@ def check_nonneg_float(v, name: str, *, positive: bool = False) -> float:
 
 def _fmt_shape(shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+# Every module that computes with torch imports this one: torch's thread count is set here, once
+# per process, by the policy of attnlib.runtime (ATTNLIB_NUM_THREADS).
+from .runtime import configure_threads as _configure_threads  # noqa: E402
+
+_configure_threads()

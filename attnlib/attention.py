@@ -5,8 +5,12 @@ For a sequence ``X`` (n x d) and a query ``q`` the layer computes
 .. math:: f_\theta(q; X) = A \sum_j \pi_j(q)\, x_j, \qquad
           \pi_j(q) = \frac{\exp(q^\top B x_j)}{\sum_l \exp(q^\top B x_l)} .
 
-In transformer notation: queries ``B^T q`` (``W_Q^T W_K = B``), keys ``x_j``,
-values ``x_j``, output map ``A`` (``W_O W_V = A``), softmax scale 1.
+Convention for ``B`` (the same in the book): ``B = W_Q^T W_K`` (d x d), the product of the
+query and key maps ``W_Q, W_K`` (d_h x d, acting on column vectors: query ``W_Q x_i``, key
+``W_K x_j``), with no ``1/sqrt(d_h)`` factor (a scaling is absorbed in ``B``). The score of
+query ``x_i`` and key ``x_j`` is ``(W_Q x_i)^T (W_K x_j) = x_i^T B x_j``; in the reduced layer
+the query is ``B^T x_i``, the keys and values are the tokens ``x_j``, and ``A = W_O W_V``
+(k x d) is the value map followed by the output map. The softmax scale is 1.
 
 :func:`attention` uses :func:`torch.nn.functional.scaled_dot_product_attention`
 (a fused, memory-efficient kernel that never forms the n x n matrix of
@@ -46,7 +50,8 @@ def attention(A, B, X, queries=None) -> torch.Tensor:
     Parameters
     ----------
     A : (k, d) output map.
-    B : (d, d) query-key matrix: the score of query ``q`` and key ``x_j`` is ``q^T B x_j``.
+    B : (d, d) query-key matrix ``W_Q^T W_K``: the score of query ``q`` and key ``x_j`` is
+        ``q^T B x_j = (B^T q)^T x_j`` (no ``1/sqrt(d)`` factor).
     X : (n, d) tokens (keys and values).
     queries : (m, d) query tokens; default ``X`` (each token attends to all n
         tokens, itself included).
@@ -64,7 +69,7 @@ def attention(A, B, X, queries=None) -> torch.Tensor:
 
 
 def attention_weights(B, X, queries=None) -> torch.Tensor:
-    """The (m, n) matrix of softmax weights ``pi_ij`` (materialised; for pictures and tests)."""
+    """The (m, n) matrix of weights ``pi_ij = softmax_j(q_i^T B x_j)`` (materialised; for pictures and tests)."""
     X, _ = check_samples(X)
     d = X.shape[1]
     X, _, B, Q = _check_layer(torch.zeros(1, d, dtype=X.dtype, device=X.device), B, X, queries)

@@ -3,29 +3,81 @@ r"""The finite-n layer around its infinite-data limit: diagnostics and measureme
 The softmax average over ``n`` tokens is a self-normalised importance-sampling
 estimate of the tilted mean ``Sigma a`` (``a = B^T q``) with weights
 ``w = exp(a^T x)``. This module holds what the book measures about it: the
-effective sample size, the delta-method prediction of the error, the measured
-error, and the held-out loss of a trained layer on fresh sequences of the
-same length.
+effective sample size, the delta-method prediction of the error for a fixed
+query, the softmax scale ``lambda_max(C^T C)`` that decides whether that
+error, averaged over queries, still decays like ``1/n`` (the heavy-tail
+threshold 1/2), the error averaged over fresh queries or over the sequence's
+own tokens, the self-token term, and the held-out loss of a trained layer on
+fresh sequences of the same length.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ._validate import check_matrix, check_positive_int
 from .attention import attention, attention_limit, empirical_loss
+from .fits import PowerLawFit, fit_power_law
+from .linalg import sym_sqrt
 from .rng import derive_seed
 from .task import SigmaLike, Task, as_covariance
 
-__all__ = ["effective_sample_size", "limit_error_prediction", "finite_n_error", "heldout_loss"]
+__all__ = [
+    "HEAVY_TAIL_THRESHOLD",
+    "effective_sample_size",
+    "limit_error_prediction",
+    "finite_n_error",
+    "softmax_scale",
+    "averaged_error_constant",
+    "averaged_error_exponent",
+    "orbit_to_scale",
+    "query_averaged_error",
+    "self_token_errors",
+    "self_token_term",
+    "self_token_prediction",
+    "fit_error_exponent",
+    "query_averaged_sweep",
+    "read_sweep",
+    "sweep_errors",
+    "heldout_loss",
+]
+
+#: ``E_q exp(a^T Sigma a)`` (``a = B^T q``, ``q ~ N(0, Sigma)``) is finite iff
+#: ``lambda_max(C^T C)`` is below this value (see :func:`softmax_scale`).
+HEAVY_TAIL_THRESHOLD = 0.5
+
+# at most this many scores (queries x keys) are formed or masked at once
+_CHUNK_SCORES = 1 << 22
 
 
 def _check_task(task) -> Task:
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
     return task
+
+
+def _check_ns(ns, name: str = "ns", minimum: int = 1) -> list:
+    try:
+        vals = list(ns)
+    except TypeError as exc:
+        raise ValueError(f"{name}: expected a sequence of integers >= {minimum}, got {ns!r}") from exc
+    if not vals:
+        raise ValueError(f"{name}: expected at least one sequence length")
+    return [check_positive_int(v, name, minimum=minimum) for v in vals]
+
+
+def _layer_params(A, B, Sigma: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    d = Sigma.shape[0]
+    A = check_matrix(A, "A", (None, d)).to(Sigma)
+    B = check_matrix(B, "B", (d, d)).to(Sigma)
+    return A, B
 
 
 def effective_sample_size(a, Sigma: SigmaLike, n: int) -> float:
@@ -41,7 +93,7 @@ def effective_sample_size(a, Sigma: SigmaLike, n: int) -> float:
 
 
 def limit_error_prediction(A, B, Sigma: SigmaLike, queries, n: int) -> torch.Tensor:
-    r"""Asymptotic mean squared error of the finite-n layer around its limit, per query.
+    r"""Asymptotic mean squared error of the finite-n layer around its limit, per fixed query.
 
     The delta method gives ``sqrt(n) (avg - Sigma a) -> N(0, V)`` with
     ``V = exp(a^T Sigma a) (Sigma + Sigma a a^T Sigma)``, so
@@ -50,15 +102,17 @@ def limit_error_prediction(A, B, Sigma: SigmaLike, queries, n: int) -> torch.Ten
               \operatorname{tr}\big(A(\Sigma + \Sigma a a^\top \Sigma)A^\top\big)
               = \frac{\operatorname{tr}(A(\Sigma + \Sigma a a^\top\Sigma)A^\top)}{\mathrm{ESS}} .
 
-    This leading term ignores the query's own token (which the layer includes);
-    its contribution is of order ``1/n`` too and is studied in the book.
+    The query is not one of the ``n`` tokens here. When it is (as in
+    training), its own token moves the output by ``O(1/n)`` and the mean
+    squared error by ``O(1/n^2)`` (:func:`self_token_prediction`), so the
+    ``1/n`` term is the same. For each fixed query the constant is finite;
+    its average over random queries is not always (:func:`averaged_error_constant`).
     Returns a tensor of shape (m,) for ``queries`` of shape (m, d).
     """
     Sigma = as_covariance(Sigma)
     d = Sigma.shape[0]
     Q = check_matrix(queries, "queries", (None, d)).to(Sigma.dtype)
-    A = check_matrix(A, "A", (None, d)).to(Sigma.dtype)
-    B = check_matrix(B, "B", (d, d)).to(Sigma.dtype)
+    A, B = _layer_params(A, B, Sigma)
     n = check_positive_int(n, "n")
     a = Q @ B  # rows a_i^T = (B^T q_i)^T
     Sa = a @ Sigma  # rows (Sigma a_i)^T
@@ -68,24 +122,449 @@ def limit_error_prediction(A, B, Sigma: SigmaLike, queries, n: int) -> torch.Ten
     return torch.exp(quad) * (base + rank1) / n
 
 
-def finite_n_error(A, B, task: Task, ns, *, queries, n_seeds: int = 8, seed: int = 0) -> torch.Tensor:
-    """Measured mean squared error ``E||f(q; X) - A Sigma B^T q||^2`` per sequence length and query.
+def _stream_generator(seed: int, stream: str, n: int, index: int) -> torch.Generator:
+    """Generator of draw ``index`` at sequence length ``n``: one independent stream per ``n``."""
+    return torch.Generator(device="cpu").manual_seed(derive_seed(seed, f"{stream}/n={n}", index))
+
+
+def finite_n_error(
+    A, B, task: Task, ns, *, queries, n_seeds: int = 8, seed: int = 0, per_seed: bool = False
+) -> torch.Tensor:
+    """Measured mean squared error ``E||f(q; X) - A Sigma B^T q||^2`` per sequence length and fixed query.
 
     For each ``n`` in ``ns``, ``n_seeds`` independent sequences are drawn from
-    ``task`` (seeds ``seed, seed + 1, ...``; the fixed ``queries`` are not part
-    of the sequences); returns a tensor of shape ``(len(ns), m)`` (mean over sequences).
+    ``task`` (draw ``s`` at length ``n`` from ``derive_seed(seed, "finite_n_error/n=<n>", s)``,
+    so sequences of different lengths are independent, not prefixes of one
+    another); the fixed ``queries`` are not part of the sequences. Returns a
+    tensor of shape ``(len(ns), m)`` (mean over sequences), or with
+    ``per_seed=True`` of shape ``(len(ns), n_seeds, m)`` (one row per sequence).
     """
     task = _check_task(task)
+    ns = _check_ns(ns)
     n_seeds = check_positive_int(n_seeds, "n_seeds")
     limit = attention_limit(A, B, task, queries)
     out = []
-    for n in ns:
-        errs = [
-            ((attention(A, B, task.sample(int(n), seed=seed + s)[0], queries=queries) - limit) ** 2).sum(1)
-            for s in range(n_seeds)
-        ]
-        out.append(torch.stack(errs).mean(0))
+    with torch.no_grad():
+        for n in ns:
+            errs = []
+            for s in range(n_seeds):
+                X = task.sample(n, generator=_stream_generator(seed, "finite_n_error", n, s))[0]
+                errs.append(((attention(A, B, X, queries=queries) - limit) ** 2).sum(1))
+            errs = torch.stack(errs)
+            out.append(errs if per_seed else errs.mean(0))
     return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------- averaged over queries
+
+
+def _factor_C(B, Sigma: torch.Tensor) -> torch.Tensor:
+    R = sym_sqrt(Sigma)
+    return R @ B.T @ R
+
+
+def softmax_scale(A, B, Sigma: SigmaLike) -> float:
+    r"""The softmax scale ``lambda_max(C^T C)`` with ``C = Sigma^{1/2} B^T Sigma^{1/2}``.
+
+    For a query ``q = Sigma^{1/2} z`` and ``a = B^T q``, the exponent of the
+    effective sample size is ``a^T Sigma a = z^T C^T C z``; for
+    ``q ~ N(0, Sigma)`` (``z`` standard normal), ``E_q exp(a^T Sigma a)`` is
+    finite iff this value is below :data:`HEAVY_TAIL_THRESHOLD` ``= 1/2``.
+    It is ``||C||_2^2`` (operator norm, not Frobenius); at a balanced minimum
+    of a task it equals the top singular value ``s_1(T)`` of ``T = M Sigma^{1/2}``.
+    ``A`` is only validated (the scale does not depend on it); the argument
+    keeps the parameters-first convention.
+    """
+    Sigma = as_covariance(Sigma)
+    _, B = _layer_params(A, B, Sigma)
+    C = _factor_C(B, Sigma)
+    return float(torch.linalg.matrix_norm(C, ord=2) ** 2)
+
+
+def averaged_error_constant(A, B, Sigma: SigmaLike) -> float:
+    r"""Query average of the delta-method ``1/n`` constant: ``E_q[n * limit_error_prediction]``.
+
+    With ``q = Sigma^{1/2} z``, ``z ~ N(0, I)``, ``K = C^T C``, ``At = A Sigma^{1/2}`` and
+    ``G = C^T At^T At C``, the constant ``exp(a^T Sigma a) tr(A(Sigma + Sigma a a^T Sigma)A^T)``
+    is ``exp(z^T K z) (||At||_F^2 + z^T G z)``, whose mean is
+
+    .. math:: \kappa = \det(I - 2K)^{-1/2}\big(\|\tilde A\|_F^2 + \operatorname{tr}(G (I - 2K)^{-1})\big)
+
+    when ``lambda_max(K) < 1/2``, and infinite otherwise (returned as ``math.inf``).
+    """
+    Sigma = as_covariance(Sigma)
+    A, B = _layer_params(A, B, Sigma)
+    R = sym_sqrt(Sigma)
+    At, C = A @ R, R @ B.T @ R
+    K = C.T @ C
+    if float(torch.linalg.eigvalsh(K)[-1]) >= HEAVY_TAIL_THRESHOLD * (1 - 1e-12):
+        return math.inf  # at the threshold itself det(I - 2K) = 0: the constant is infinite
+    I2K = torch.eye(K.shape[0], dtype=K.dtype) - 2 * K
+    G = C.T @ At.T @ At @ C
+    det = float(torch.linalg.det(I2K))
+    return float((torch.sum(At * At) + torch.trace(torch.linalg.solve(I2K, G))) / math.sqrt(det))
+
+
+def averaged_error_exponent(A, B, Sigma: SigmaLike) -> Tuple[float, float]:
+    r"""Heuristic range ``(fast, slow)`` of the exponent of the query-averaged error in ``n``.
+
+    Ours, not the paper's. With ``lam = lambda_max(C^T C)``: ``fast = -min(1, 1/2 + 1/(4 lam))``
+    and ``slow = -min(1, 1/(2 lam))``; both are -1 below the threshold 1/2, where the
+    averaged constant is finite. Above it, a query of softmax exponent ``u = a^T Sigma a``
+    (tail ``P(u > t) ~ exp(-t / (2 lam))``) has error ``kappa(q)/n ~ e^u/n`` once its weights'
+    second moment is realised, ``n >> e^{2u}``; the queries with ``u < log(n)/2`` alone
+    contribute ``n^{-1/2 - 1/(4 lam)}`` (the fast end). If every query had error at most
+    ``min(kappa(q)/n, O(u))``, the average would be ``n^{-1/(2 lam)}`` (the slow end).
+    Both up to powers of ``log n``.
+    """
+    lam = softmax_scale(A, B, Sigma)
+    if lam <= HEAVY_TAIL_THRESHOLD:
+        return -1.0, -1.0
+    return -min(1.0, 0.5 + 0.25 / lam), -min(1.0, 0.5 / lam)
+
+
+def orbit_to_scale(A, B, Sigma: SigmaLike, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""The point ``(t A, B / t)`` of the orbit ``(At, C) -> (t At, C / t)`` whose softmax scale is ``scale``.
+
+    ``t = sqrt(softmax_scale(A, B, Sigma) / scale)``. The limit map ``A Sigma B^T``
+    and hence the population loss are the same at every point of the orbit;
+    ``lambda_max(C^T C)`` scales like ``1 / t^2``.
+    """
+    Sigma = as_covariance(Sigma)
+    A, B = _layer_params(A, B, Sigma)
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"scale: expected a positive number, got {scale!r}") from exc
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
+    current = softmax_scale(A, B, Sigma)
+    if current == 0:
+        raise ValueError("B: the softmax scale is zero (B = 0); no point of the orbit has a positive scale")
+    t = math.sqrt(current / scale)
+    return t * A, B / t
+
+
+def _chunks(m: int, n: int):
+    step = max(1, _CHUNK_SCORES // max(n, 1))
+    return [(i, min(i + step, m)) for i in range(0, m, step)]
+
+
+def _fused(A, B, X, Q, mask=None) -> torch.Tensor:
+    """``attention`` for queries ``Q``; with a boolean ``mask`` (True = attend) for leave-one-out rows."""
+    q = (Q @ B)[None, None]
+    kv = X[None, None]
+    out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=None if mask is None else mask[None, None], scale=1.0)
+    return out[0, 0] @ A.T
+
+
+def query_averaged_error(
+    A,
+    B,
+    task: Task,
+    ns,
+    *,
+    n_queries: int = 256,
+    n_seeds: int = 32,
+    seed: int = 0,
+    include_self: bool = False,
+) -> torch.Tensor:
+    r"""Mean squared error of the finite layer, averaged over random queries: ``E_{q, X}||f(q; X) - A Sigma B^T q||^2``.
+
+    For each ``n`` in ``ns`` and each of ``n_seeds`` independent draws (draw
+    ``s`` at length ``n`` uses ``derive_seed(seed, "query_averaged/n=<n>", s)``:
+    sequences of different lengths are independent, never prefixes), a
+    sequence ``X`` of ``n`` tokens is drawn and the squared error is averaged
+    over ``n_queries`` queries:
+
+    * ``include_self=False``: fresh queries ``q ~ N(0, Sigma)``, independent of ``X``;
+    * ``include_self=True``: the queries are the sequence's own first
+      ``min(n_queries, n)`` tokens ``x_i``, each attending to all ``n`` tokens,
+      itself included (as in training); by exchangeability any subset would do.
+
+    The fused kernel is used, in chunks of at most ``2^22`` scores, so memory
+    stays bounded for ``n`` up to tens of thousands. Returns a tensor of shape
+    ``(len(ns), n_seeds)``: one query average per sequence, so that fits can
+    resample sequences (:func:`fit_error_exponent`).
+    """
+    task = _check_task(task)
+    ns = _check_ns(ns)
+    n_queries = check_positive_int(n_queries, "n_queries")
+    n_seeds = check_positive_int(n_seeds, "n_seeds")
+    if not isinstance(include_self, bool):
+        raise ValueError(f"include_self: expected True or False, got {include_self!r}")
+    A, B = _layer_params(A, B, task.Sigma)
+    out = torch.empty(len(ns), n_seeds, dtype=torch.float64)
+    with torch.no_grad():
+        for i, n in enumerate(ns):
+            for s in range(n_seeds):
+                g = _stream_generator(seed, "query_averaged", n, s)
+                X = task.sample(n, generator=g)[0]
+                Q = X[: min(n_queries, n)] if include_self else task.sample(n_queries, generator=g)[0]
+                total = 0.0
+                for lo, hi in _chunks(Q.shape[0], n):
+                    err = _fused(A, B, X, Q[lo:hi]) - attention_limit(A, B, task, Q[lo:hi]).to(X)
+                    total += float((err**2).sum())
+                out[i, s] = total / Q.shape[0]
+    return out
+
+
+def self_token_errors(
+    A, B, task: Task, ns, *, n_queries: int = 256, n_seeds: int = 32, seed: int = 0
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""Paired errors with and without the query's own token: isolates the self-token term.
+
+    For each sequence ``X`` (drawn as in :func:`query_averaged_error`) and its
+    first ``min(n_queries, n)`` tokens ``x_i`` as queries, returns the query
+    averages of ``||f(x_i; X) - A Sigma B^T x_i||^2`` (the token attends to
+    itself, as in training) and of ``||f(x_i; X_{-i}) - A Sigma B^T x_i||^2``
+    (its own token masked out: an independent query on ``n - 1`` tokens).
+    Both use the same sequences and queries, so their difference, the
+    contribution of the self-token term, has little Monte Carlo noise.
+    Returns ``(with_self, without_self)``, each of shape ``(len(ns), n_seeds)``;
+    needs ``n >= 2``.
+    """
+    task = _check_task(task)
+    ns = _check_ns(ns, minimum=2)
+    n_queries = check_positive_int(n_queries, "n_queries")
+    n_seeds = check_positive_int(n_seeds, "n_seeds")
+    A, B = _layer_params(A, B, task.Sigma)
+    with_self = torch.empty(len(ns), n_seeds, dtype=torch.float64)
+    without = torch.empty_like(with_self)
+    with torch.no_grad():
+        for i, n in enumerate(ns):
+            for s in range(n_seeds):
+                X = task.sample(n, generator=_stream_generator(seed, "query_averaged", n, s))[0]
+                m = min(n_queries, n)
+                tot_in, tot_out = 0.0, 0.0
+                for lo, hi in _chunks(m, n):
+                    Q = X[lo:hi]
+                    lim = attention_limit(A, B, task, Q).to(X)
+                    keep = torch.ones(hi - lo, n, dtype=torch.bool)
+                    keep[torch.arange(hi - lo), torch.arange(lo, hi)] = False
+                    tot_in += float(((_fused(A, B, X, Q) - lim) ** 2).sum())
+                    tot_out += float(((_fused(A, B, X, Q, keep) - lim) ** 2).sum())
+                with_self[i, s] = tot_in / m
+                without[i, s] = tot_out / m
+    return with_self, without
+
+
+_SELF_TOKEN_BLOCK = 256  # sequences drawn per generator in self_token_term
+
+
+def self_token_term(
+    A, B, task: Task, queries, n: int, *, n_seeds: int = 1024, seed: int = 0
+) -> Dict[str, torch.Tensor]:
+    r"""The self-token term for fixed query tokens, measured on many independent sequences.
+
+    For each of ``n_seeds`` sequences ``X'`` of ``n - 1`` tokens and each fixed
+    query ``x`` (a row of ``queries``), compares the layer on the ``n`` tokens
+    ``X' + {x}`` (the query attends to itself, as in training) with the layer on
+    ``X'`` alone (an independent query). Sequences are drawn in blocks of 256,
+    block ``b`` from ``derive_seed(seed, "self_token/n=<n>", b)``; the fused
+    kernel is batched over the sequences of a block. Returns a dict of tensors:
+
+    * ``"shift"`` (n_seeds, m, k): ``f(x; X' + {x}) - f(x; X')``;
+    * ``"with_self"`` (n_seeds, m): ``||f(x; X' + {x}) - A Sigma B^T x||^2``;
+    * ``"without_self"`` (n_seeds, m): ``||f(x; X') - A Sigma B^T x||^2``;
+    * ``"deviation"`` (n_seeds, m, k): ``f(x; X') - A Sigma B^T x`` (its mean is the
+      self-normalisation bias of an independent query on ``n - 1`` tokens).
+
+    :func:`self_token_prediction` gives the leading orders of their means.
+    """
+    task = _check_task(task)
+    n = check_positive_int(n, "n", minimum=2)
+    n_seeds = check_positive_int(n_seeds, "n_seeds")
+    A, B = _layer_params(A, B, task.Sigma)
+    d = task.d
+    Q = check_matrix(queries, "queries", (None, d)).to(task.Sigma)
+    m = Q.shape[0]
+    lim = attention_limit(A, B, task, Q)  # (m, k)
+    qB = Q @ B  # rows (B^T x)^T
+    shifts, w_in, w_out, devs = [], [], [], []
+    with torch.no_grad():
+        for b, lo in enumerate(range(0, n_seeds, _SELF_TOKEN_BLOCK)):
+            bs = min(_SELF_TOKEN_BLOCK, n_seeds - lo)
+            g = torch.Generator(device="cpu").manual_seed(derive_seed(seed, f"self_token/n={n}", b))
+            Xo = torch.randn(bs, n - 1, d, generator=g, dtype=torch.float64).to(task.Sigma) @ task.Sigma_sqrt
+            kv = Xo[:, None]
+            f_out = F.scaled_dot_product_attention(qB.expand(bs, 1, m, d), kv, kv, scale=1.0)[:, 0] @ A.T
+            f_in = torch.empty_like(f_out)
+            for j in range(m):
+                kvj = torch.cat([Xo, Q[j].expand(bs, 1, d)], dim=1)[:, None]
+                f_in[:, j] = (
+                    F.scaled_dot_product_attention(qB[j].expand(bs, 1, 1, d), kvj, kvj, scale=1.0)[:, 0, 0] @ A.T
+                )
+            shifts.append(f_in - f_out)
+            devs.append(f_out - lim)
+            w_in.append(((f_in - lim) ** 2).sum(-1))
+            w_out.append(((f_out - lim) ** 2).sum(-1))
+    return {
+        "shift": torch.cat(shifts),
+        "with_self": torch.cat(w_in),
+        "without_self": torch.cat(w_out),
+        "deviation": torch.cat(devs),
+    }
+
+
+def self_token_prediction(A, B, Sigma: SigmaLike, queries) -> Dict[str, torch.Tensor]:
+    r"""Leading orders of the self-token term for queries that are tokens of the sequence.
+
+    For a query token ``x`` with ``a = B^T x``, ``s = a^T Sigma a`` and
+    ``r = A(x - Sigma a)``, its own softmax weight is
+    ``pi = exp(x^T B x) / sum_l exp(x^T B x_l) = p / n + o(1/n)`` with
+    ``p = exp(x^T B x - s/2)``, and exactly
+    ``f(x; X) - f(x; X_{-x}) = pi (A x - f_{-x})``, so ``f(x; X) - f(x; X_{-x}) = r p / n + o_p(1/n)``.
+    Returns a dict of tensors, one row per query:
+
+    * ``"weight"``: ``p`` (m,);
+    * ``"shift"``: ``p r`` (m, k), the limit of ``n (f(x; X) - f(x; X_{-x}))``;
+    * ``"bias"``: ``-exp(s) A Sigma a`` (m, k), the limit of ``n (E f(q; X) - A Sigma B^T q)``
+      for a query that is not a token (the self-normalisation bias);
+    * ``"mse"``: the limit of ``n^2 (E||f(x; X) - lim||^2 - E||f(x; X_{-x}) - lim||^2)``,
+      ``p^2 ||r||^2 - 2 p exp(s) tr(A(Sigma + Sigma a a^T Sigma)A^T) - 4 p exp(s) <A Sigma a, r>`` (m,).
+    """
+    Sigma = as_covariance(Sigma)
+    d = Sigma.shape[0]
+    Q = check_matrix(queries, "queries", (None, d)).to(Sigma)
+    A, B = _layer_params(A, B, Sigma)
+    a = Q @ B  # rows (B^T x)^T
+    Sa = a @ Sigma
+    s = (a * Sa).sum(1)
+    p = torch.exp((Q @ B * Q).sum(1) - s / 2)
+    r = (Q - Sa) @ A.T
+    ASa = Sa @ A.T
+    trV = torch.exp(s) * (torch.trace(A @ Sigma @ A.T) + (ASa**2).sum(1))
+    mse = p**2 * (r**2).sum(1) - 2 * p * trV - 4 * p * torch.exp(s) * (ASa * r).sum(1)
+    return {"weight": p, "shift": p[:, None] * r, "bias": -torch.exp(s)[:, None] * ASa, "mse": mse}
+
+
+def fit_error_exponent(
+    ns: Sequence[int], errors, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> PowerLawFit:
+    r"""Power law ``mean error ~ c n^slope`` through the per-``n`` means, with a bootstrap over sequences.
+
+    ``errors`` has shape ``(len(ns), n_seeds)``: one value per independent
+    sequence (as returned by :func:`query_averaged_error`). The slope is the
+    least-squares slope of ``log(mean over sequences)`` against ``log n``;
+    the interval resamples the sequences at each ``n`` independently
+    (``n_boot`` times, seeded) and refits: a percentile interval at ``level``.
+    """
+    ns = _check_ns(ns)
+    E = np.asarray(errors.numpy() if isinstance(errors, torch.Tensor) else errors, dtype=float)
+    if E.ndim != 2 or E.shape[0] != len(ns):
+        raise ValueError(f"errors: expected shape ({len(ns)}, n_seeds), got {E.shape}")
+    if E.shape[1] < 2:
+        raise ValueError(f"errors: need at least two sequences per n for the bootstrap, got {E.shape[1]}")
+    if not np.all(np.isfinite(E)) or np.any(E <= 0):
+        raise ValueError("errors: expected finite positive values")
+    n_boot = check_positive_int(n_boot, "n_boot")
+    if not 0 < level < 1:
+        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
+    fit = fit_power_law(ns, E.mean(1))
+    lx = np.log(np.asarray(ns, dtype=float))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, E.shape[1], size=(n_boot,) + E.shape)  # independent resampling at each n
+    means = np.take_along_axis(np.broadcast_to(E, idx.shape), idx, axis=2).mean(2)  # (n_boot, len(ns))
+    slopes = np.polyfit(lx, np.log(means).T, 1)[0]
+    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
+    fit.ci = (float(lo), float(hi))
+    return fit
+
+
+_SWEEP_FIELDS = ["scale", "include_self", "n", "seed", "n_queries", "error"]
+
+
+def read_sweep(path: str) -> List[dict]:
+    """The rows of a CSV written by :func:`query_averaged_sweep` (typed: floats and ints)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as fh:
+        return [
+            {
+                "scale": float(r["scale"]),
+                "include_self": int(r["include_self"]),
+                "n": int(r["n"]),
+                "seed": int(r["seed"]),
+                "n_queries": int(r["n_queries"]),
+                "error": float(r["error"]),
+            }
+            for r in csv.DictReader(fh)
+        ]
+
+
+def sweep_errors(rows: Sequence[dict], scale: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The block of sweep ``rows`` at one softmax ``scale``: ``(ns, errors)``.
+
+    ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the
+    sequences in the order of their draw index (the input of :func:`fit_error_exponent`).
+    Raises ``ValueError`` if there are no rows for ``scale`` or the lengths have different numbers of sequences.
+    """
+    flag = int(bool(include_self))
+    sel = [r for r in rows if r["scale"] == float(scale) and r["include_self"] == flag]
+    if not sel:
+        raise ValueError(f"scale: no rows with scale {scale!r} and include_self={bool(include_self)}")
+    ns = sorted({r["n"] for r in sel})
+    by_n = {n: [r["error"] for r in sorted((r for r in sel if r["n"] == n), key=lambda r: r["seed"])] for n in ns}
+    if len({len(v) for v in by_n.values()}) != 1:
+        raise ValueError(f"rows: the lengths at scale {scale!r} have different numbers of sequences")
+    return np.array(ns), np.array([by_n[n] for n in ns])
+
+
+def query_averaged_sweep(
+    A,
+    B,
+    task: Task,
+    scales: Sequence[float],
+    ns: Sequence[int],
+    *,
+    n_queries: int = 256,
+    n_seeds: int = 32,
+    seed: int = 0,
+    include_self: bool = False,
+    out: Optional[str] = None,
+) -> List[dict]:
+    """:func:`query_averaged_error` at several points of the orbit of ``(A, B)`` (:func:`orbit_to_scale`).
+
+    Returns one row per scale, ``n`` and sequence: ``scale``, ``include_self``
+    (0/1), ``n``, ``seed`` (the draw index ``s`` of :func:`query_averaged_error`),
+    ``n_queries``, ``error`` (the query average on that sequence). With ``out``
+    (a CSV path) rows are appended after each ``(scale, n)`` and blocks already
+    in the file are not recomputed, so an interrupted sweep resumes; the rows
+    returned are those of the file for the requested blocks.
+    """
+    task = _check_task(task)
+    ns = _check_ns(ns)
+    scales = [float(c) for c in scales]
+    if not scales:
+        raise ValueError("scales: expected at least one softmax scale")
+    flag = int(bool(include_self))
+    rows = read_sweep(out) if out is not None else []
+    have = {(r["scale"], r["include_self"], r["n"]) for r in rows}
+    if out is not None and not os.path.exists(out):
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", newline="") as fh:
+            csv.DictWriter(fh, _SWEEP_FIELDS).writeheader()
+    for c in scales:
+        Ac, Bc = orbit_to_scale(A, B, task, c)
+        for n in ns:
+            if (c, flag, n) in have:
+                continue
+            E = query_averaged_error(
+                Ac, Bc, task, [n], n_queries=n_queries, n_seeds=n_seeds, seed=seed, include_self=bool(include_self)
+            )[0]
+            new = [
+                {"scale": c, "include_self": flag, "n": n, "seed": s, "n_queries": n_queries, "error": float(E[s])}
+                for s in range(n_seeds)
+            ]
+            rows.extend(new)
+            if out is not None:
+                with open(out, "a", newline="") as fh:
+                    w = csv.DictWriter(fh, _SWEEP_FIELDS)
+                    for r in new:
+                        w.writerow({**r, "error": repr(r["error"])})
+    wanted = set(scales)
+    return [r for r in rows if r["scale"] in wanted and r["include_self"] == flag and r["n"] in set(ns)]
 
 
 def heldout_loss(A, B, task: Task, n: int, *, n_sequences: int = 4, seed: int = 0) -> float:

@@ -5,14 +5,17 @@ Change of variables (``Sigma`` the token covariance, or ``Sigmahat`` for a sampl
 .. math:: \tilde A = A \Sigma^{1/2}, \qquad C = \Sigma^{1/2} B^\top \Sigma^{1/2}, \qquad
           T = M \Sigma^{1/2},
 
-under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With the thin SVD
-``T = U S V^T`` (rank ``r``) the balanced global minima are
+under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With a thin SVD
+``T = U S V^T`` (rank ``r``, any ``r <= min(k, d)``; repeated singular values allowed,
+the singular vectors being the ones :attr:`~attnlib.task.Task.svd` returns) the balanced global minima are
 
 .. math:: \mathcal S = \{(U S^{1/2} W^\top,\; W S^{1/2} V^\top) : W \in \mathbb R^{d\times r},\ W^\top W = I\},
 
-the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm projection onto
-``S`` is an orthogonal Procrustes problem solved by the polar factor of
-``N = At^T U S^{1/2} + C V S^{1/2}``.
+(another choice of singular vectors gives the same set, with ``W`` rotated within the blocks
+of equal singular values), the P-norm is the Euclidean norm in ``(At, C)``, and the P-norm
+projection onto ``S`` is an orthogonal Procrustes problem solved by the polar factor of
+``N = At^T U S^{1/2} + C V S^{1/2}`` (unique when ``N`` has rank ``r``; otherwise every
+polar factor gives a closest point and the distance is the same).
 
 Functions that need the covariance accept either a matrix ``Sigma`` or a
 :class:`~attnlib.task.Task` (whose cached square roots are then reused).
@@ -151,7 +154,9 @@ def project_to_manifold(A, B, task: Task, *, return_W: bool = False):
     """P-norm projection of ``(A, B)`` onto the manifold of balanced minima of ``task``.
 
     Returns ``(A*, B*)`` (and ``W*`` with ``return_W=True``), where
-    ``W* = polar(At^T U S^{1/2} + C V S^{1/2})``.
+    ``W* = polar(At^T U S^{1/2} + C V S^{1/2})``. The closest point is unique when that
+    matrix has full column rank ``r``; otherwise this is one of the closest points.
+    Repeated singular values of ``T`` and ``rank T < k`` are allowed.
     """
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
@@ -179,10 +184,18 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     ``mode="balance"``: replace ``(At, C)`` by the closest (Frobenius) balanced
     factorization of the current product ``P = At C``: with ``P = U S V^T``,
     ``(U S^{1/2} W^T, W S^{1/2} V^T)`` and ``W`` from Procrustes. Among all
-    factorizations of ``P`` this one has the smallest ``||At||^2 + ||C||^2``, so
-    ``||C||_F^2 = ||P||_*`` (nuclear norm) bounds the softmax scale.
+    factorizations of ``P`` the balanced ones minimise the total norm
+    ``(||At||_F^2 + ||C||_F^2) / 2``, and the minimum is the nuclear norm ``||P||_*``.
+    ``||C||_F^2`` alone is *not* minimised by them: ``(t At, C / t)`` factors the same
+    product with ``||C||_F^2`` as small as one likes. At a balanced factorization
+    ``||C||_F^2 = ||P||_*`` and ``lambda_max(C^T C) = s_1(P)``, so the softmax scale is
+    fixed by the product alone. The scaling mode does not re-balance (it only
+    equalises the two norms).
 
-    Both leave the population loss unchanged (they keep ``At C``).
+    Both leave the population loss unchanged (they keep ``At C``). If the product
+    is not finite (a diverging iterate), ``"balance"`` returns NaN parameters, so
+    that a training loop's divergence guard stops instead of continuing from a
+    meaningless re-factorization.
     """
     if mode not in ("scale", "balance"):
         raise ValueError(f"mode: expected 'scale' or 'balance', got {mode!r}")
@@ -196,6 +209,10 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
         c = torch.sqrt(na / nc)
         return A / c, B * c
     P = At @ C
+    if not bool(torch.isfinite(P).all()):
+        # the product overflowed (a diverging iterate): no factorization to re-balance; NaN tells the caller
+        nan = float("nan")
+        return torch.full_like(A, nan), torch.full_like(B, nan)
     r = numerical_rank(P)
     if r == 0:
         return torch.zeros_like(A), torch.zeros_like(B)

@@ -9,7 +9,8 @@ one structured training step at n = 1024 took 38 ms with one thread and
 ``benchmarks/contention.py``). The book's problems are small (d <= 8), so
 intra-op parallelism gains little even on an idle machine.
 
-Policy, applied once when :mod:`attnlib` is imported:
+Policy, applied once per process when the first attnlib module that computes
+with torch is imported (``attnlib._validate`` calls :func:`configure_threads`):
 
 * ``ATTNLIB_NUM_THREADS=<int>``: exactly that many threads (capped at the CPUs granted);
 * ``ATTNLIB_NUM_THREADS=auto``: as many threads as CPUs are granted

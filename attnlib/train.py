@@ -10,17 +10,28 @@ r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines, 
 4. a renormalisation step after each update (``renormalize``, see
    :func:`attnlib.geometry.renormalize`): by default ``"balance"``, which
    replaces ``(At, C)`` by the closest balanced factorization of the current
-   product ``At C``. It keeps the population loss and removes the components
-   of ``C`` that the product does not see. The iterates are then balanced, so
-   the regularizer's gradient vanishes at them: with ``"balance"`` every step
-   the regularizer is inert; it does the balancing (more slowly) when the
-   renormalisation is switched off or set to ``"scale"``.
+   product ``P = At C``. It keeps the population loss, removes the components
+   of ``C`` that the product does not see, and yields the factorization of
+   least total norm ``(||At||_F^2 + ||C||_F^2) / 2 = ||P||_*`` (nuclear norm), whose
+   softmax scale ``lambda_max(C^T C) = s_1(P)`` is fixed by the product. (It does
+   not minimise ``||C||_F^2`` by itself: ``(t At, C / t)`` makes that arbitrarily
+   small.) The iterates are then balanced, so the regularizer's gradient
+   vanishes at them: with ``"balance"`` every step and a balanced start the
+   regularizer is inert; it does the balancing (more slowly) when the
+   renormalisation is switched off (``False``) or set to ``"scale"``, which
+   only equalises ``||At||_F`` and ``||C||_F``.
+
+The structured method is affine-equivariant: training on ``X G`` (any invertible
+``G``) and mapping back with ``(A G^T, G B G^T)`` gives the same iterates as
+training on ``X``; with ``G = Sigmahat^{-1/2}`` the preconditioned step is plain
+gradient descent on whitened tokens (chapter 5 of the book proves it; the tests
+check it).
 
 Architecture. One loop (:func:`run`) drives a *step rule* (:class:`Step`)
 on an :class:`Objective`; a :class:`DivergenceGuard` is the single place that
 decides what a non-finite or overflowing iterate means, and a
 :class:`Recorder` the single place that writes the :class:`History`. A
-method is a name in :data:`METHODS` mapped to a :class:`Method` (a factory
+method is a name in :data:`~attnlib.train.METHODS` mapped to a :class:`Method` (a factory
 for its step rule plus which structured components it uses by default), so
 adding a method is registering one step rule (:func:`register_method`).
 
@@ -63,6 +74,7 @@ __all__ = [
     "train_population",
     "run",
     "best_of_grid",
+    "GridCache",
     "History",
     "DivergenceError",
     "METHODS",
@@ -267,6 +279,7 @@ class Method:
     preconditionable: bool = True
 
 
+#: The registered training methods, by name (see :func:`register_method`).
 METHODS: Dict[str, Method] = {}
 
 
@@ -561,7 +574,8 @@ def train(
     Parameters
     ----------
     steps, lr : number of updates and step size.
-    method : a name in :data:`METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"`` or ``"adam"``.
+    method : a name in :data:`~attnlib.train.METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``,
+        ``"sgd"`` or ``"adam"``.
     init : ``"spectral"`` (:func:`~attnlib.init.spectral_init`), ``"random"``
         (:func:`~attnlib.init.random_init` with ``init_scale`` and ``seed``) or a pair ``(A, B)``
         (parameters of the layer on the raw tokens, also with ``whiten=True``).
@@ -680,6 +694,7 @@ def train_population(
     regularize: Optional[bool] = None,
     precondition: Optional[bool] = None,
     renormalize: Union[None, bool, str] = None,
+    whiten: bool = False,
     init_scale: float = 1e-2,
     seed: int = 0,
     record_every: int = 1,
@@ -692,6 +707,12 @@ def train_population(
     infinite-data spectral initialisation (exactly on the manifold), so the
     default here is ``"random"``. Methods that need samples (``"sgd"``) are
     not defined here. ``excess`` and ``dist`` are always recorded.
+
+    ``whiten=True`` trains on the population of whitened tokens
+    ``Sigma^{-1/2} x ~ N(0, I)``, i.e. on the task ``(I, M Sigma^{1/2})``, and maps the
+    parameters back (``A = A' Sigma^{-1/2}``, ``B = Sigma^{-1/2} B' Sigma^{-1/2}``): the
+    population counterpart of ``train(..., whiten=True)``. The whitened parameters are
+    exactly ``(At, C^T)``, so plain gradient descent there is preconditioned descent.
     """
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
@@ -706,8 +727,16 @@ def train_population(
     A, B = _initial_params(
         init, task.d, task.k, spectral=spectral, init_scale=init_scale, seed=seed, dtype=task.dtype, device=task.device
     )
+    to_original = lambda A_, B_: (A_, B_)
+    train_task = task
+    if whiten:
+        W, Winv = task.Sigma_inv_sqrt, task.Sigma_sqrt
+        eye = torch.eye(task.d, dtype=task.dtype, device=task.device)
+        train_task = Task(eye, task.M @ Winv, task.noise_std)
+        A, B = A @ Winv, Winv @ B @ Winv  # the same layer, seen on whitened tokens
+        to_original = lambda A_, B_: (A_ @ W, W @ B_ @ W)
     objective = Objective(
-        lambda A_, B_, idx: task.population_loss(A_, B_), geometry=task, lam=lam, regularize=regularize
+        lambda A_, B_, idx: train_task.population_loss(A_, B_), geometry=train_task, lam=lam, regularize=regularize
     )
     config = dict(
         d=task.d,
@@ -720,6 +749,7 @@ def train_population(
         regularize=regularize,
         precondition=precondition,
         renormalize=renormalize,
+        whiten=bool(whiten),
         init_scale=init_scale,
         seed=seed,
         objective="population",
@@ -741,7 +771,35 @@ def train_population(
         progress=progress,
         on_divergence=on_divergence,
         config=config,
+        to_original=to_original,
     )
+
+
+def _score_grid(run, lrs, score):
+    """Run every step size; returns ``(best History or None, [score or None per step size])``."""
+    best, best_score, scores = None, None, []
+    for lr in lrs:
+        h = run(lr=lr, on_divergence="stop")
+        s = None if h.diverged else score(h)
+        s = None if s is None else float(s)
+        scores.append(s)
+        if s is not None and (best_score is None or s < best_score):
+            best, best_score = h, s
+    return best, scores
+
+
+def _final_objective(h: History) -> float:
+    return h.objective[-1]
+
+
+def _check_grid(lrs) -> List[float]:
+    try:
+        grid = [float(lr) for lr in lrs]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"lrs: expected a sequence of positive step sizes, got {lrs!r}") from exc
+    if not grid or any(not np.isfinite(lr) or lr <= 0 for lr in grid):
+        raise ValueError(f"lrs: expected a non-empty sequence of positive step sizes, got {lrs!r}")
+    return grid
 
 
 def best_of_grid(
@@ -751,20 +809,145 @@ def best_of_grid(
 
     ``score(h)`` ranks runs (lower is better; ``None`` disqualifies a run); the
     default is the final training objective. Diverged runs are disqualified.
-    Returns ``None`` if no run qualifies. This is the documented step-size
-    selection of the book's comparisons: every method gets the same criterion.
+    Returns ``None`` if no run qualifies (ties: the first step size in ``lrs``).
+    This is the documented step-size selection of the book's comparisons: every
+    method gets the same criterion. :class:`GridCache` stores the scores of a grid
+    so that a chapter re-runs only the selected step.
     """
-    if score is None:
+    _check_grid(lrs)
+    return _score_grid(run, lrs, _final_objective if score is None else score)[0]
 
-        def score(h):
-            return h.objective[-1]
 
-    best, best_score = None, None
-    for lr in lrs:
-        h = run(lr=lr, on_divergence="stop")
-        if h.diverged:
-            continue
-        s = score(h)
-        if s is not None and (best_score is None or s < best_score):
-            best, best_score = h, s
-    return best
+class GridCache:
+    """Step-size grids run once, stored in a JSON file, and replayed by re-running only the selected step.
+
+    A fair comparison gives every method its best step size from a grid wide
+    enough that the best step is interior; that costs one run per grid point.
+    ``best(key, run, lrs, score=..., criterion=...)`` does what :func:`best_of_grid`
+    does and stores, under ``key``, the grid, every step size's score (``None``:
+    diverged or disqualified), the selected step size and the name of the
+    criterion. When the file already holds ``key`` with the same grid and
+    criterion, only the selected step size is run again and its score is
+    compared with the stored one (relative tolerance ``rtol``): a file that no
+    longer matches the code raises ``RuntimeError`` instead of silently
+    selecting from other results. A missing ``key`` (or a changed grid or
+    criterion) runs the whole grid and updates the file.
+
+    ``refresh=True`` re-runs every grid requested in this session and rewrites
+    the file from scratch; ``refresh=None`` (default) reads the environment
+    variable ``ATTNLIB_REFRESH_GRIDS`` (``"1"``: refresh). ``position(key)``
+    says whether the selected step is ``"interior"`` or at the ``"lowest"`` or
+    ``"highest"`` end of its grid; ``verify(key, run)`` re-runs a whole stored
+    grid and returns the largest relative deviation of its scores (a spot check).
+    """
+
+    def __init__(self, path, *, refresh: Optional[bool] = None, rtol: float = 1e-6):
+        import os
+
+        self.path = os.fspath(path)
+        if refresh is None:
+            refresh = os.environ.get("ATTNLIB_REFRESH_GRIDS", "") == "1"
+        self.refresh = bool(refresh)
+        self.rtol = check_nonneg_float(rtol, "rtol", positive=True)
+        self.entries: Dict[str, dict] = {}
+        if not self.refresh and os.path.exists(self.path):
+            import json
+
+            with open(self.path) as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict):
+                raise ValueError(f"path: expected a JSON object of grid entries in {self.path!r}")
+            self.entries = data
+        self.replayed: List[str] = []
+        self.computed: List[str] = []
+
+    def save(self) -> None:
+        """Write the entries to ``path`` (sorted keys, one entry per block)."""
+        import json
+        import os
+
+        if os.path.dirname(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "w") as fh:
+            json.dump(self.entries, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+
+    def _entry(self, key: str) -> dict:
+        if key not in self.entries:
+            raise ValueError(f"key: no grid stored under {key!r} in {self.path!r}")
+        return self.entries[key]
+
+    def best(
+        self,
+        key: str,
+        run: Callable[..., History],
+        lrs,
+        *,
+        score: Optional[Callable[[History], Optional[float]]] = None,
+        criterion: str = "final training objective",
+    ) -> Optional[History]:
+        """The History of the selected step size of ``run`` on the grid ``lrs`` (``None`` if every run failed)."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key: expected a non-empty string, got {key!r}")
+        grid = _check_grid(lrs)
+        score = _final_objective if score is None else score
+        e = self.entries.get(key)
+        if e is not None and e.get("grid") == grid and e.get("criterion") == criterion:
+            self.replayed.append(key)
+            if e["lr"] is None:
+                return None
+            h = run(lr=e["lr"], on_divergence="stop")
+            s = None if h.diverged else score(h)
+            stored = e["scores"][grid.index(e["lr"])]
+            if s is None or not np.isclose(float(s), stored, rtol=self.rtol, atol=0.0):
+                raise RuntimeError(
+                    f"{self.path}: the stored grid {key!r} no longer matches the code (score at lr = {e['lr']}: "
+                    f"stored {stored!r}, now {s!r}); rerun with refresh=True or ATTNLIB_REFRESH_GRIDS=1"
+                )
+            return h
+        best, scores = _score_grid(run, grid, score)
+        self.entries[key] = dict(
+            grid=grid, scores=scores, lr=None if best is None else best.config["lr"], criterion=criterion
+        )
+        self.computed.append(key)
+        self.save()
+        return best
+
+    def scores(self, key: str) -> Dict[float, Optional[float]]:
+        """``{step size: score}`` of a stored grid (``None``: diverged or disqualified)."""
+        e = self._entry(key)
+        return dict(zip(e["grid"], e["scores"]))
+
+    def selected(self, key: str) -> Optional[float]:
+        """The selected step size of a stored grid."""
+        return self._entry(key)["lr"]
+
+    def position(self, key: str) -> str:
+        """``"interior"``, ``"lowest"`` or ``"highest"``: where the selected step lies in its (sorted) grid."""
+        e = self._entry(key)
+        if e["lr"] is None:
+            raise ValueError(f"key: every run of the grid {key!r} failed; no step size was selected")
+        grid = sorted(e["grid"])
+        if e["lr"] == grid[0]:
+            return "lowest"
+        if e["lr"] == grid[-1]:
+            return "highest"
+        return "interior"
+
+    def verify(
+        self, key: str, run: Callable[..., History], *, score: Optional[Callable[[History], Optional[float]]] = None
+    ) -> float:
+        """Re-run the whole stored grid ``key``; the largest relative deviation from the stored scores.
+
+        A run that diverges (or is disqualified) where the stored one did not, or the
+        other way round, counts as ``inf``.
+        """
+        e = self._entry(key)
+        _, scores = _score_grid(run, e["grid"], _final_objective if score is None else score)
+        dev = 0.0
+        for new, old in zip(scores, e["scores"]):
+            if (new is None) != (old is None):
+                return float("inf")
+            if new is not None:
+                dev = max(dev, abs(new - old) / max(abs(old), 1e-300))
+        return dev

@@ -5,6 +5,7 @@ Usage (from the repository root)::
     python benchmarks/contention.py --out benchmarks/contention.md            # every chapter
     python benchmarks/contention.py --chapters ch1_model ch5_algorithm        # a subset
     python benchmarks/contention.py --steps-only                              # the training-step probe only
+    python benchmarks/contention.py --write                                   # also save the executed chapters
 
 For every chapter the notebook is executed top to bottom in a fresh kernel
 (nbclient, as nbval and jupyter-book do), first alone, then while a busy-loop
@@ -68,18 +69,28 @@ class Load:
             p.join()
 
 
-def run_notebook(chapter: str, timeout: int) -> float:
-    """Execute ``book/<chapter>.ipynb`` in a fresh kernel (cwd ``book/``); returns seconds."""
+def run_notebook(chapter: str, timeout: int, write: bool = False) -> float:
+    """Execute ``book/<chapter>.ipynb`` in a fresh kernel (cwd ``book/``); returns seconds.
+
+    ``write=True`` saves the executed notebook in place (outputs and execution counts).
+    """
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(str(ROOT / "book" / f"{chapter}.ipynb"), 4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "book")}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(ROOT / "book")}},
     )
     t0 = time.perf_counter()
     client.execute()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if write:
+        nbformat.write(nb, str(ROOT / "book" / f"{chapter}.ipynb"))
+    return elapsed
 
 
 def probe(threads: int) -> float:
@@ -95,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
     p.add_argument("--steps-only", action="store_true", help="only the training-step probe")
     p.add_argument("--out", help="write the Markdown tables here")
+    p.add_argument("--write", action="store_true", help="save each chapter executed by the run alone, in place")
     args = p.parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
     import torch
@@ -110,7 +122,7 @@ def main(argv=None) -> int:
     if not args.steps_only:
         lines += ["| chapter | alone (s) | with load (s) | ratio |", "|:---|---:|---:|---:|"]
         for ch in args.chapters:
-            alone = run_notebook(ch, args.timeout)
+            alone = run_notebook(ch, args.timeout, write=args.write)
             with Load(args.load):
                 loaded = run_notebook(ch, args.timeout)
             row = f"| {ch} | {alone:.1f} | {loaded:.1f} | {loaded / alone:.2f} |"

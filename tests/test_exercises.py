@@ -1,10 +1,20 @@
-"""The exercise graders: reference answers pass, typical mistakes fail with the right message."""
+"""The exercise graders: reference answers pass, typical mistakes fail with the right message.
+
+Both graders are tested: :func:`check` (the feedback in the book and the handouts) and the hidden
+tests (:mod:`attnlib.course.hidden` with the literal specs of :func:`hidden_spec`, what grades).
+"""
+
+import ast
+import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from attnlib.course.exercises import EXERCISES, ExerciseError, check, solved
+import attnlib as al
+from attnlib.course import hidden
+from attnlib.course.exercises import EXERCISES, ExerciseError, check, hidden_spec, solved
 
 # Independent reference answers, written here with torch and numpy only (no attnlib function that
 # the grader compares against), so that these tests fail if a grader's reference is wrong.
@@ -111,7 +121,7 @@ def test_stub_fails_with_a_message_naming_the_stub(key):
 def test_wrong_value_gets_the_hint():
     # forgetting the factor 1/2 of the excess risk
     wrong = lambda A, B, S, M: 2 * _excess_ref(A, B, S, M)
-    with pytest.raises(ExerciseError, match=r"largest difference .* Hint: L - L\* = 1/2"):
+    with pytest.raises(ExerciseError, match=r"largest difference .* Hint: .*a missing 1/2"):
         check("2.1", wrong)
 
 
@@ -120,7 +130,7 @@ def test_overflowing_softmax_is_caught():
         W = torch.exp(X @ B @ X.T)
         return (W / W.sum(1, keepdim=True)) @ X @ A.T
 
-    with pytest.raises(ExerciseError, match="test case 3 .*large scores.*NaN or infinite.*maximum score"):
+    with pytest.raises(ExerciseError, match="test case 3 .*large scores.*NaN or infinite.*subtracted from all"):
         check("1.1", naive)
 
 
@@ -169,3 +179,161 @@ def test_minimiser_check_is_property_based():
 def test_unknown_key_is_a_value_error():
     with pytest.raises(ValueError, match="key: expected one of"):
         check("9.9", lambda: None)
+
+
+def test_no_hints_means_no_hint():
+    wrong = lambda A, B, S, M: 2 * _excess_ref(A, B, S, M)
+    with pytest.raises(ExerciseError) as err:
+        check("2.1", wrong, hints=False)
+    assert "largest difference" in str(err.value) and "Hint" not in str(err.value)
+
+
+def test_hints_do_not_state_the_formulas():
+    # the hints say where to look; the formulas of the answers are not in them
+    for key, text in [("2.2", "E Sigma B Sigma"), ("3.1", "A Sigma^(1/2)"), ("5.2", "Sigma^(-1)"), ("1.2", "1/(2n)")]:
+        assert text not in EXERCISES[key].hint, (key, EXERCISES[key].hint)
+
+
+# ----------------------------------------------------------------------------- the library policy
+
+
+def test_an_alias_of_the_library_fails_both_graders():
+    for fn in (al.to_factor, functools.partial(al.to_factor), EXERCISES["3.1"].reference):
+        with pytest.raises(ExerciseError, match=r"my_to_factor is the library function attnlib\.geometry\.to_factor"):
+            check("3.1", fn)
+        with pytest.raises(ExerciseError, match="is the library function attnlib.geometry.to_factor"):
+            hidden.grade(fn, hidden_spec("3.1"))
+    # the reference of 1.2 is a lambda of the course package: also the library's
+    with pytest.raises(ExerciseError, match=r"is the library function attnlib\.course\.exercises\.<lambda>"):
+        hidden.grade(EXERCISES["1.2"].reference, hidden_spec("1.2"))
+
+
+def test_a_wrapper_of_the_asked_function_fails_an_allowed_call_passes():
+    wrapper = lambda A, B, S: al.to_factor(A, B, S)
+    with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.to_factor, a library function that does"):
+        check("3.1", wrapper)
+    with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.to_factor"):
+        hidden.grade(wrapper, hidden_spec("3.1"))
+    # 4.1 allows al.to_factor (the statement says so), not al.p_norm
+    allowed = lambda dA, dB, S: torch.sqrt(sum((t**2).sum() for t in al.to_factor(dA, dB, S)))
+    check("4.1", allowed)
+    hidden.grade(allowed, hidden_spec("4.1"))
+    with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.p_norm"):
+        hidden.grade(lambda dA, dB, S: 1.0 * al.p_norm(dA, dB, S), hidden_spec("4.1"))
+    # a method of a library class: Task.population_grad answers 2.2 outright
+    with pytest.raises(ExerciseError, match=r"calls attnlib\.task\.Task\.population_grad"):
+        hidden.grade(lambda A, B, S, M: al.Task(S, M).population_grad(A, B), hidden_spec("2.2"))
+
+
+def test_switching_off_the_profiler_fails():
+    import sys
+
+    def sneaky(A, B, S):
+        sys.setprofile(None)
+        return _factor(A, B, S)
+
+    with pytest.raises(ExerciseError, match="changed the interpreter's profiler"):
+        hidden.grade(sneaky, hidden_spec("3.1"))
+
+
+# ----------------------------------------------------------------------------- the hidden tests
+
+
+@pytest.mark.parametrize("key", sorted(EXERCISES))
+def test_hidden_tests_pass_the_answers_and_fail_the_stub(key):
+    spec = hidden_spec(key)
+    assert ast.literal_eval(repr(spec)) == spec  # a plain literal: floats, strings, lists, dicts
+    hidden.grade(ANSWERS[key], spec)
+
+    def stub(*args):
+        raise NotImplementedError()
+
+    with pytest.raises(ExerciseError, match=rf"Exercise {key} \(graded test\): .* still raises NotImplementedError"):
+        hidden.grade(stub, spec)
+
+
+def test_hidden_tests_do_not_depend_on_what_a_notebook_can_rebind(monkeypatch):
+    spec = hidden_spec("3.1")  # fixed at release
+    wrong = lambda A, B, S: (A @ S, S @ B.T @ S)  # Sigma in place of its square root
+    # a student's cell rebinds the grader, the reference, the library and the comparisons
+    import attnlib.course.exercises as exercises_module
+    import attnlib.geometry
+
+    monkeypatch.setattr(exercises_module, "check", lambda *a, **k: None)
+    monkeypatch.setattr(attnlib.geometry, "to_factor", wrong)
+    monkeypatch.setattr(al, "to_factor", wrong)
+    monkeypatch.setattr(torch, "allclose", lambda *a, **k: True)
+    monkeypatch.setattr(np, "allclose", lambda *a, **k: True)
+    monkeypatch.setattr(np.testing, "assert_allclose", lambda *a, **k: None)
+    exercises_module.check("3.1", wrong)  # the visible check is switched off ...
+    # ... the hidden test is not (case 1 has Sigma = I, where Sigma and its root agree)
+    with pytest.raises(ExerciseError, match="not right on case 2"):
+        hidden.grade(wrong, spec)
+
+
+def test_hidden_checks_shape_nan_return_and_inputs():
+    spec = hidden_spec("3.1")
+    with pytest.raises(ExerciseError, match=r"component 0: returned shape \(3, 2\), expected \(2, 3\)"):
+        hidden.grade(lambda A, B, S: (_factor(A, B, S)[0].T, _factor(A, B, S)[1]), spec)
+    with pytest.raises(ExerciseError, match="returned None"):
+        hidden.grade(lambda A, B, S: None, spec)
+    with pytest.raises(ExerciseError, match="NaN or infinite"):
+        hidden.grade(lambda A, B, S: tuple(t * float("nan") for t in _factor(A, B, S)), spec)
+
+    def inplace(A, B, S):
+        out = _factor(A, B, S)
+        A.zero_()
+        return out
+
+    with pytest.raises(ExerciseError, match="modified its input in place"):
+        hidden.grade(inplace, spec)
+    with pytest.raises(ExerciseError, match="expected a function"):
+        hidden.grade(0.5, spec)
+    # numpy results and Python floats are read too
+    hidden.grade(lambda x, y: np.float64(ANSWERS["6.1"](x, y)), hidden_spec("6.1"))
+    hidden.grade(lambda A, B, S, M: _excess_ref(A, B, S, M).numpy(), hidden_spec("2.1"))
+
+
+def test_hidden_minimiser_check_is_property_based():
+    spec = hidden_spec("3.2")
+    hidden.grade(ANSWERS["3.2"], spec)
+
+    def unbalanced(S, M):
+        At, C = _balanced(S, M)
+        return _unfactor(2 * At, C / 2, S)
+
+    with pytest.raises(ExerciseError, match="not balanced"):
+        hidden.grade(unbalanced, spec)
+    with pytest.raises(ExerciseError, match="not a global minimiser"):
+        hidden.grade(lambda S, M: _unfactor(*(0.9 * f for f in _balanced(S, M)), S), spec)
+
+
+def test_hidden_grader_is_self_contained():
+    """Its source is pasted into the hidden tests: standard library only, no nbgrader delimiters."""
+    src = Path(hidden.__file__).read_text()
+    tree = ast.parse(src)
+    top = {a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names}
+    top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert top <= {"math", "sys"}, top
+    for word in ("BEGIN HIDDEN", "END HIDDEN", "BEGIN SOLUTION", "END SOLUTION", "BEGIN MARK", "END MARK"):
+        assert word not in src
+
+
+def test_the_p_norm_rescaling_of_exercise_4_1():
+    """Sigma -> c Sigma is compensated by (c^-1/2 dA, c^-1 dB), not by c^-3/2 on dB; the check tests it."""
+    g = torch.Generator().manual_seed(0)
+    G = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    S = G @ G.T + torch.eye(4, dtype=torch.float64)
+    dA, dB = torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64)
+    for c in (0.1, 4.0, 25.0):
+        assert torch.allclose(_p_norm_ref(dA / c**0.5, dB / c, c * S), _p_norm_ref(dA, dB, S), rtol=1e-12)
+        zero = torch.zeros_like(dA)
+        assert torch.allclose(_p_norm_ref(zero, dB / c**1.5, c * S), _p_norm_ref(zero, dB, S) / c**0.5, rtol=1e-12)
+    # the check's last case is that rescaling of its first case: the same expected value
+    (_, first), (_, last) = EXERCISES["4.1"].cases()[0], EXERCISES["4.1"].cases()[-1]
+    assert torch.allclose(_p_norm_ref(*last), _p_norm_ref(*first), rtol=1e-12)
+    assert not torch.allclose(last[2], first[2])
+    # an answer with Sigma^(1/2) on one side of dB^T only (a C that scales like dA) fails
+    one_sided = lambda dA, dB, S: torch.sqrt((dA @ _sqrtm(S)).square().sum() + (dB.T @ _sqrtm(S)).square().sum())
+    with pytest.raises(ExerciseError):
+        check("4.1", one_sided)

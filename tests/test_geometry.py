@@ -6,10 +6,50 @@ import torch
 import attnlib as al
 
 
-@pytest.fixture(params=[(5, 3, None), (6, 2, None), (5, 4, 2)], ids=["d5k3", "d6k2", "d5k4r2"])
+def task_with_svd(d, k, s, *, cond=30.0, seed=0):
+    """A task whose T = M Sigma^{1/2} has the singular values ``s`` (repeats and rank < k allowed)."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    U, _ = torch.linalg.qr(torch.randn(k, len(s), generator=g, dtype=f64))
+    V, _ = torch.linalg.qr(torch.randn(d, len(s), generator=g, dtype=f64))
+    Q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=f64))
+    Sigma = (Q * torch.logspace(0, torch.log10(torch.tensor(cond)).item(), d, dtype=f64)) @ Q.T
+    return al.Task(Sigma, (U * torch.tensor(s, dtype=f64)) @ V.T @ al.sym_inv_sqrt(Sigma))
+
+
+@pytest.fixture(
+    params=[(5, 3, None), (6, 2, None), (5, 4, 2), (6, 4, (1.0, 1.0, 0.5))], ids=["d5k3", "d6k2", "d5k4r2", "d6k4rep"]
+)
 def gtask(request):
     d, k, r = request.param
+    if isinstance(r, tuple):  # repeated singular values, rank 3 < k = 4
+        return task_with_svd(d, k, r, seed=d + k)
     return al.Task.random(d, k, cond=30.0, signal=1.5, rank=r, seed=d + k)
+
+
+def test_every_balanced_minimum_is_on_the_manifold_with_repeated_singular_values():
+    task = task_with_svd(6, 4, (1.0, 1.0, 0.5), seed=1)
+    U, s, V = task.svd
+    assert task.rank == 3 < task.k and abs(float(s[0] - s[1])) < 1e-12
+    g = torch.Generator().manual_seed(2)
+    f64 = torch.float64
+    # (i) from another SVD of T: rotate the singular vectors of the repeated pair
+    c, sn = 0.6, 0.8
+    Qb = torch.eye(3, dtype=f64)
+    Qb[:2, :2] = torch.tensor([[c, -sn], [sn, c]], dtype=f64)
+    U2, V2 = U @ Qb, V @ Qb
+    assert torch.allclose((U2 * s) @ V2.T, task.T, atol=1e-12)
+    W, _ = torch.linalg.qr(torch.randn(6, 3, generator=g, dtype=f64))
+    sh = s.sqrt()
+    A, B = al.from_factor((U2 * sh) @ W.T, (W * sh) @ V2.T, task)
+    # (ii) the balanced re-factorization of a minimum moved by a general G
+    Am, Bm, _ = al.random_manifold_point(task, seed=3)
+    G = torch.eye(6, dtype=f64) + 0.3 * torch.randn(6, 6, generator=g, dtype=f64)
+    A3, B3 = al.renormalize(*al.apply_symmetry(Am, Bm, G, task), task, "balance")
+    for A_, B_ in ((A, B), (A3, B3)):
+        At, C = al.to_factor(A_, B_, task)
+        assert float(task.excess_risk(A_, B_)) < 1e-20 and torch.allclose(At.T @ At, C @ C.T, atol=1e-10)
+        assert float(al.distance_to_manifold(A_, B_, task)) < 1e-10  # it is (U S^1/2 W^T, W S^1/2 V^T) for some W
 
 
 def test_manifold_points_are_balanced_minima_at_distance_zero(gtask):
@@ -95,8 +135,36 @@ def test_renormalize_keeps_the_product(gtask, mode):
         assert torch.allclose(At2.T @ At2, C2 @ C2.T, atol=1e-10)
         nuc = float(torch.linalg.svdvals(At @ C).sum())
         assert float((C2**2).sum()) == pytest.approx(nuc, rel=1e-10)
-        # minimal norm among factorizations of the product
+        # least total norm among factorizations of the product: (||At||^2 + ||C||^2) / 2 = ||P||_*
+        assert 0.5 * float((At2**2).sum() + (C2**2).sum()) == pytest.approx(nuc, rel=1e-10)
         assert float((At2**2).sum() + (C2**2).sum()) <= float((At**2).sum() + (C**2).sum()) + 1e-12
+        # the softmax scale of the balanced factorization is set by the product: lambda_max(C^T C) = s_1(P)
+        s1 = float(torch.linalg.svdvals(At @ C)[0])
+        assert float(torch.linalg.eigvalsh(C2.T @ C2)[-1]) == pytest.approx(s1, rel=1e-10)
+        # but ||C||_F^2 alone is not minimal: (2 At, C / 2) factors the same product with a quarter of it
+        assert float(((C2 / 2) ** 2).sum()) < float((C2**2).sum())
+        assert torch.allclose((2 * At2) @ (C2 / 2), At @ C, atol=1e-10)
+
+
+def test_balanced_factorization_minimises_the_total_norm(gtask):
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(gtask.k, gtask.d, generator=g, dtype=torch.float64)
+    B = torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64)
+    Ab, Bb = al.renormalize(A, B, gtask, "balance")
+    At, C = al.to_factor(Ab, Bb, gtask)
+    best = 0.5 * float((At**2).sum() + (C**2).sum())
+    for _ in range(200):  # every other factorization (At G, G^{-1} C) has at least this total norm
+        G = torch.randn(gtask.d, gtask.d, generator=g, dtype=torch.float64)
+        other = 0.5 * float(((At @ G) ** 2).sum() + ((torch.linalg.inv(G) @ C) ** 2).sum())
+        assert other >= best - 1e-9
+
+
+def test_renormalize_of_an_overflowing_product_is_nan(gtask):
+    """A diverging iterate whose product overflows has no renormalisation: NaN, so the training guard stops."""
+    A = torch.full((gtask.k, gtask.d), 1e200, dtype=torch.float64)
+    B = torch.full((gtask.d, gtask.d), 1e200, dtype=torch.float64)
+    A2, B2 = al.renormalize(A, B, gtask, "balance")
+    assert torch.isnan(A2).all() and torch.isnan(B2).all()
 
 
 def test_spectral_init_is_balanced_and_exact_on_its_empirical_manifold():

@@ -58,13 +58,33 @@ def test_import_applies_the_policy_in_a_fresh_process():
     import subprocess
     import sys
 
-    code = "import attnlib, torch; print(torch.get_num_threads())"
+    code = "import attnlib, torch; attnlib.Task; print(torch.get_num_threads())"
     env = dict(os.environ, ATTNLIB_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "1"
     env["ATTNLIB_NUM_THREADS"] = "nonsense"
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "ATTNLIB_NUM_THREADS" in bad.stderr
+
+
+def test_import_is_lazy_and_light():
+    """`import attnlib` loads neither torch nor the course tools; the first use of a name does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, attnlib; light = 'torch' not in sys.modules and 'attnlib.course' not in sys.modules; "
+        "attnlib.train; print(light, 'torch' in sys.modules, 'attnlib.course' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "False"]
+    # the submodule attnlib.train, first imported indirectly, does not shadow the function al.train
+    code = "import attnlib as al, attnlib.experiments; print(callable(al.train), al.train.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "attnlib.train"]
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        al.nonexistent  # noqa: B018
+    assert set(al.__all__) <= set(dir(al))
 
 
 def test_derive_seed_streams_are_distinct_and_validated():

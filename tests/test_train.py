@@ -198,3 +198,92 @@ def test_best_of_grid_picks_the_lowest_score_and_skips_divergence(data):
     assert best.config["lr"] == 1e-2 and not best.diverged
     assert al.best_of_grid(run, [1e4]) is None
     assert al.best_of_grid(run, [1e-3, 1e-2], score=lambda h: -h.objective[-1]).config["lr"] == 1e-3
+
+
+def _tokens_task(task, G):
+    """The task of the transformed tokens x -> G^T x (same labels)."""
+    return al.Task(G.T @ task.Sigma @ G, task.M @ torch.linalg.inv(G).T, task.noise_std)
+
+
+@pytest.mark.parametrize("renormalize", ["balance", "scale", False])
+def test_structured_method_is_affine_equivariant(data, renormalize):
+    """Training on X G and mapping back with (A G^T, G B G^T) gives the iterates of training on X."""
+    task, X, Y = data
+    G = torch.randn(4, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64) + 2 * torch.eye(4)
+    kw = dict(steps=8, lr=0.3, renormalize=renormalize, record_every=1)
+    raw = al.train(X, Y, task=task, **kw)
+    moved = al.train(X @ G, Y, task=_tokens_task(task, G), **kw)
+    white = al.train(X, Y, task=task, whiten=True, **kw)
+    A, B = moved.A @ G.T, G @ moved.B @ G.T
+    assert torch.allclose(A, raw.A, atol=1e-10) and torch.allclose(B, raw.B, atol=1e-10)
+    assert np.allclose(moved.excess, raw.excess, rtol=1e-8, atol=1e-14)
+    assert torch.allclose(white.A, raw.A, atol=1e-10) and np.allclose(white.excess, raw.excess, rtol=1e-8)
+    # plain gradient descent is not equivariant under a general invertible G
+    gd = al.train(X, Y, method="gd", task=task, **kw)
+    gd_moved = al.train(X @ G, Y, method="gd", task=_tokens_task(task, G), **kw)
+    assert not np.allclose(gd_moved.excess, gd.excess, rtol=1e-3)
+
+
+def test_population_whitening_is_preconditioning(data):
+    """GD on the population of whitened tokens = preconditioned GD; the whitened Adam baseline runs too."""
+    task = data[0]
+    init = al.perturb(*al.random_manifold_point(task, seed=1)[:2], task, 0.3, seed=2)
+    pre = al.train_population(task, steps=20, lr=0.3, method="gd", precondition=True, init=init)
+    white = al.train_population(task, steps=20, lr=0.3, method="gd", whiten=True, init=init)
+    plain = al.train_population(task, steps=20, lr=0.3, method="gd", init=init)
+    assert torch.allclose(white.A, pre.A, atol=1e-12) and torch.allclose(white.B, pre.B, atol=1e-12)
+    assert np.allclose(white.excess, pre.excess, rtol=1e-9, atol=1e-15) and white.config["whiten"]
+    assert not np.allclose(plain.excess, pre.excess, rtol=1e-3)
+    adam = al.train_population(task, steps=20, lr=1e-2, method="adam", whiten=True, init=init)
+    assert adam.excess[-1] < adam.excess[0] and adam.A.shape == (2, 4)
+
+
+def test_diverging_structured_run_is_flagged_not_reset(data):
+    """A product that overflows must end the run as diverged (it used to be re-factored to zero silently)."""
+    task, X, Y = data
+    h = al.train(X, Y, steps=100, lr=50.0, task=task, on_divergence="stop")
+    assert h.diverged and torch.isfinite(h.A).all() and len(h) < 101
+    with pytest.raises(al.DivergenceError):
+        al.train(X, Y, steps=100, lr=50.0, task=task)
+
+
+def test_grid_cache_stores_replays_and_detects_stale_files(data, tmp_path, monkeypatch):
+    from attnlib.train import GridCache
+
+    task = data[0]
+    init = al.random_init(4, 2, scale=1.0, seed=0)
+    calls = []
+
+    def run(**kw):
+        calls.append(kw["lr"])
+        return al.train_population(task, steps=30, method="gd", init=init, **kw)
+
+    path = tmp_path / "grids.json"
+    monkeypatch.delenv("ATTNLIB_REFRESH_GRIDS", raising=False)
+    cache = GridCache(path)
+    grid = [1e-3, 1e-2, 0.1, 1e4]
+    h = cache.best("gd", run, grid)
+    assert calls == grid and path.exists()
+    assert h.config["lr"] == al.best_of_grid(run, grid).config["lr"] == cache.selected("gd")
+    assert cache.scores("gd")[1e4] is None  # diverged
+    assert cache.position("gd") == "interior"
+    calls.clear()
+    again = GridCache(path).best("gd", run, grid)  # a new session replays the selected step only
+    assert calls == [h.config["lr"]] and again.objective[-1] == h.objective[-1]
+    assert GridCache(path).verify("gd", run) < 1e-12
+    # a stored score the code no longer reproduces raises
+    stale = GridCache(path)
+    stale.entries["gd"]["scores"][grid.index(h.config["lr"])] *= 2
+    with pytest.raises(RuntimeError, match="no longer matches"):
+        stale.best("gd", run, grid)
+    calls.clear()
+    assert GridCache(path).best("gd", run, [1e-3, 1e-2]).config["lr"] == 1e-2  # a changed grid is run again
+    assert calls == [1e-3, 1e-2]
+    # refresh (here through the environment) ignores the file
+    monkeypatch.setenv("ATTNLIB_REFRESH_GRIDS", "1")
+    fresh = GridCache(path)
+    assert fresh.refresh and fresh.entries == {}
+    with pytest.raises(ValueError, match="key"):
+        fresh.scores("gd")
+    with pytest.raises(ValueError, match="lrs"):
+        fresh.best("x", run, [])

@@ -1,13 +1,19 @@
 r"""Graders for the book's exercises.
 
-Every chapter ends with exercises in which the reader writes one function.
-:func:`check` compares that function with the library's own implementation
-(or, where many answers are right, checks the defining properties) on a few
-fixed float64 test cases and raises :class:`ExerciseError` with a message that
-says what went wrong and how to look for the mistake. The book calls
-``check`` after each worked solution; the assignment tool
-(:mod:`attnlib.course`, built on nbgrader) calls the very same function in its
-graded cells, so a cell earns its points exactly when ``check`` passes.
+Every chapter ends with exercises in which the reader writes functions (and
+derivations, graded by hand). :func:`check` compares a function with the
+library's own implementation (or, where many answers are right, checks the
+defining properties) on a few fixed float64 test cases and raises
+:class:`~attnlib.course.hidden.ExerciseError` with a message that says what went wrong, with a hint
+unless ``hints=False``. The book calls ``check`` after each worked solution;
+a student's notebook calls it in the graded cells for feedback.
+
+The *grade* does not come from ``check``: at release, :func:`hidden_spec`
+fixes the same test cases and their expected values as literals that
+:mod:`attnlib.course` writes into nbgrader's hidden tests, graded by the
+self-contained :func:`attnlib.course.hidden.grade`. Both apply the library
+policy: an answer that is a library function, or calls the one the exercise
+asks for (``Exercise.forbidden``), fails.
 
 >>> import attnlib as al
 >>> from attnlib.course import exercises
@@ -26,15 +32,14 @@ import torch
 from ..attention import attention_reference, empirical_loss
 from ..fits import fit_geometric_rate, fit_power_law
 from ..geometry import p_norm, regularizer, renormalize, to_factor
+from ..linalg import sym_sqrt
 from ..task import Task
+from . import hidden
+from .hidden import ExerciseError
 
-__all__ = ["ExerciseError", "Exercise", "EXERCISES", "check", "solved"]
+__all__ = ["ExerciseError", "Exercise", "EXERCISES", "check", "solved", "hidden_spec"]
 
 DTYPE = torch.float64
-
-
-class ExerciseError(AssertionError):
-    """A submitted function does not (yet) solve its exercise; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,11 @@ class Exercise:
 
     ``cases()`` returns a list of ``(description, args)``; ``reference(*args)``
     gives the expected value, or ``verify(result, *args)`` (if set) returns
-    ``None`` for a correct result and an explanation otherwise.
+    ``None`` for a correct result and an explanation otherwise (``kind`` is
+    then ``"minimiser"``, the only property check the hidden tests know).
+    ``forbidden`` names the library functions (``"attnlib.module.qualname"``,
+    or ``"attnlib.module.*"``) that solve the exercise outright: an answer
+    that calls one of them fails. ``hint`` says where to look, not the formula.
     """
 
     key: str
@@ -54,6 +63,8 @@ class Exercise:
     verify: Callable[..., Any] = None
     rtol: float = 1e-8
     atol: float = 1e-10
+    forbidden: Tuple[str, ...] = ()
+    kind: str = "value"
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -128,6 +139,19 @@ def _cases_minimiser():
     return out
 
 
+def _cases_p_norm():
+    """The factor cases, plus case 1 with Sigma -> c Sigma and the P-norm-preserving rescaled direction.
+
+    Under Sigma -> c Sigma, dA Sigma^(1/2) gains c^(1/2) and Sigma^(1/2) dB^T Sigma^(1/2) gains c, so
+    (c^(-1/2) dA, c^(-1) dB) has the same P-norm: the last case's expected value equals case 1's.
+    """
+    out = _cases_factor()
+    c = 4.0
+    dA, dB, S = out[0][1]
+    out.append((f"case 1 with Sigma -> {c:g} Sigma and (dA, dB) -> (c^-1/2 dA, c^-1 dB)", (dA / c**0.5, dB / c, c * S)))
+    return out
+
+
 def _cases_regularizer():
     return [(desc, args + (lam,)) for (desc, args), lam in zip(_cases_factor(), (1.0, 0.3))]
 
@@ -178,17 +202,14 @@ def _verify_minimiser(result, S, M):
     ex = float(task.excess_risk(A, B))
     scale = float(task.excess_risk(torch.zeros_like(A), torch.zeros_like(B)))
     if not ex <= 1e-20 * max(scale, 1.0) + 1e-24:
-        return (
-            f"the pair is not a global minimiser: its excess risk is {ex:.3e} (> 0). Check that "
-            f"A Sigma B^T = M, i.e. At C = T with T = M Sigma^(1/2)"
-        )
+        return f"the pair is not a global minimiser: its excess risk is {ex:.3e} (> 0), so A Sigma B^T differs from M"
     At, C = to_factor(A, B, S)
     gap = float(torch.linalg.norm(At.T @ At - C @ C.T))
     size = float(torch.linalg.norm(At.T @ At)) + 1e-300
     if gap > 1e-8 * size:
         return (
             f"the pair minimises the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e} "
-            f"(relative {gap / size:.1e}). Split the singular values evenly: S^(1/2) to each factor"
+            f"(relative {gap / size:.1e})"
         )
     return None
 
@@ -200,94 +221,134 @@ EXERCISES: Dict[str, Exercise] = {
             "1.1",
             "my_attention(A, B, X) -> (n, k) tensor",
             _cases_layer,
-            "row i is A times the softmax(x_i^T B x_j)-weighted mean of the tokens x_j; a softmax "
-            "over j for each query i; subtract each row's maximum score before exponentiating",
+            "each row of the weight matrix is a softmax over the tokens j; a softmax does not change when "
+            "the same constant is subtracted from all the scores of a row",
             reference=attention_reference,
+            forbidden=(
+                "attnlib.attention.attention",
+                "attnlib.attention.attention_reference",
+                "attnlib.attention.attention_weights",
+            ),
         ),
         Exercise(
             "1.2",
             "my_empirical_loss(A, B, X, Y) -> scalar",
             _cases_loss,
-            "Lhat = 1/(2n) sum_i ||f(x_i; X) - y_i||^2: note the factor 1/2 and the mean over the n queries",
+            "check the normalisation: a factor 1/2, a mean over the n queries, and a squared norm of "
+            "each k-dimensional residual (do not divide by n k)",
             reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
+            forbidden=("attnlib.attention.empirical_loss", "attnlib.finite_n.*"),
         ),
         Exercise(
             "2.1",
             "my_excess_risk(A, B, Sigma, M) -> scalar",
             _cases_population,
-            "L - L* = 1/2 ||(A Sigma B^T - M) Sigma^(1/2)||_F^2 = 1/2 tr(E Sigma E^T) with E = A Sigma B^T - M",
+            "start from the closed-form population loss of this chapter and subtract the Bayes risk; "
+            "a value off by a constant factor usually means a missing 1/2",
             reference=_excess,
+            forbidden=(
+                "attnlib.task.Task.excess_risk",
+                "attnlib.task.Task.population_loss",
+                "attnlib.task.Task.residual",
+            ),
         ),
         Exercise(
             "2.2",
             "my_population_grad(A, B, Sigma, M) -> (grad_A, grad_B)",
             _cases_population,
-            "with E = A Sigma B^T - M: grad_A = E Sigma B Sigma and grad_B = Sigma E^T A Sigma; "
-            "compare with torch.autograd on my_excess_risk if unsure",
+            "compare your formulas with torch.autograd.grad applied to your my_excess_risk; a transposed "
+            "factor is the usual mistake",
             reference=_grad,
+            forbidden=(
+                "attnlib.task.Task.population_grad",
+                "attnlib.task.Task.excess_risk",
+                "attnlib.task.Task.population_loss",
+                "attnlib.train.*",
+            ),
         ),
         Exercise(
             "3.1",
             "my_to_factor(A, B, Sigma) -> (At, C)",
             _cases_factor,
-            "At = A Sigma^(1/2) and C = Sigma^(1/2) B^T Sigma^(1/2), with the symmetric square root "
-            "(eigendecomposition), not the Cholesky factor",
+            "the square root must be the symmetric one (an eigendecomposition), not a Cholesky factor; "
+            "check on which sides of B^T it appears",
             reference=to_factor,
+            forbidden=(
+                "attnlib.geometry.*",
+                "attnlib.linalg.*",
+                "attnlib.task.Task.Sigma_sqrt",
+                "attnlib.task.Task.Sigma_inv_sqrt",
+                "attnlib.task.Task.T",
+            ),
         ),
         Exercise(
             "3.2",
             "my_balanced_minimiser(Sigma, M) -> (A, B)",
             _cases_minimiser,
-            "T = M Sigma^(1/2) = U S V^T; At = U S^(1/2) V^T, C = V S^(1/2) V^T; then map back: "
-            "A = At Sigma^(-1/2), B = Sigma^(-1/2) C^T Sigma^(-1/2)",
+            "work in factor coordinates, where the global minimisers are the factorizations of T, and "
+            "use a singular value decomposition of T",
             verify=_verify_minimiser,
+            kind="minimiser",
+            forbidden=(
+                "attnlib.geometry.manifold_point",
+                "attnlib.geometry.random_manifold_point",
+                "attnlib.geometry.project_to_manifold",
+                "attnlib.geometry._procrustes",
+                "attnlib.landscape.stationary_point",
+            ),
         ),
         Exercise(
             "4.1",
             "my_p_norm(dA, dB, Sigma) -> scalar",
-            _cases_factor,
-            "||(dA, dB)||_P^2 = ||dA Sigma^(1/2)||_F^2 + ||Sigma^(1/2) dB^T Sigma^(1/2)||_F^2",
+            _cases_p_norm,
+            "the P-norm is the Frobenius norm of the direction written in factor coordinates; the last "
+            "test case rescales Sigma and the direction together and expects the P-norm of case 1",
             reference=p_norm,
+            forbidden=("attnlib.geometry.p_norm", "attnlib.geometry.p_inner"),
         ),
         Exercise(
             "4.2",
             "my_regularizer(A, B, Sigma, lam) -> scalar",
             _cases_regularizer,
-            "R = lam/4 ||At^T At - C C^T||_F^2 with (At, C) the factor coordinates of (A, B)",
+            "write (A, B) in factor coordinates first, and check the factor in front of the norm",
             reference=regularizer,
+            forbidden=("attnlib.geometry.regularizer",),
         ),
         Exercise(
             "5.1",
             "my_renormalize(A, B, Sigma) -> (A, B)",
             _cases_factor,
-            "c = sqrt(||At||_F / ||C||_F) with (At, C) = (A Sigma^(1/2), Sigma^(1/2) B^T Sigma^(1/2)); "
-            "return (A / c, c B)",
+            "find the one scalar c for which At / c and c C have equal Frobenius norms, and carry the "
+            "rescaling back to (A, B)",
             reference=lambda A, B, S: renormalize(A, B, S, mode="scale"),
+            forbidden=("attnlib.geometry.renormalize", "attnlib.train.*"),
         ),
         Exercise(
             "5.2",
             "my_preconditioned_step(A, B, Sigma, M, lr) -> (A, B)",
             lambda: _cases_population(with_lr=True),
-            "A - lr grad_A Sigma^(-1) and B - lr Sigma^(-1) grad_B Sigma^(-1), with the population "
-            "gradients of exercise 2.2",
+            "write a plain gradient step in factor coordinates and carry it back to (A, B) with the chain rule",
             reference=_precond_step,
+            forbidden=("attnlib.train.*",),
         ),
         Exercise(
             "6.1",
             "my_loglog_slope(x, y) -> float",
             _cases_power_law,
-            "least squares of log y against log x (numpy.polyfit(np.log(x), np.log(y), 1)); return "
-            "the slope, not the intercept",
+            "fit a straight line by least squares to the logarithms of both coordinates and return its "
+            "slope, not its intercept",
             reference=lambda x, y: fit_power_law(x, y).slope,
             rtol=1e-7,
+            forbidden=("attnlib.fits.*", "attnlib.experiments.*"),
         ),
         Exercise(
             "6.2",
             "my_geometric_rate(steps, values) -> float",
             _cases_geometric,
-            "values ~ c mu^steps, so log values is linear in steps with slope log mu; return mu = exp(slope)",
+            "take logarithms of the values: what is then linear in the steps, and how is its slope related to mu?",
             reference=fit_geometric_rate,
             rtol=1e-7,
+            forbidden=("attnlib.fits.*", "attnlib.experiments.*"),
         ),
     )
 }
@@ -334,13 +395,15 @@ def _compare(got, want, ex: Exercise) -> str | None:
     return None
 
 
-def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
+def check(key: str, fn: Callable, *, quiet: bool = False, hints: bool = True) -> None:
     """Grade ``fn`` as the answer to exercise ``key`` (for example ``"2.1"``).
 
-    Runs ``fn`` on each test case and raises :class:`ExerciseError` with a
-    helpful message on the first failure: the stub still in place, an
-    exception, a wrong shape, non-finite values, or a wrong value (with a
-    hint). Prints one line on success unless ``quiet``.
+    Runs ``fn`` on each test case and raises :class:`~attnlib.course.hidden.ExerciseError` with a
+    one-line message on the first failure: the stub still in place, an
+    exception, a wrong shape, non-finite values, a wrong value (with a hint
+    unless ``hints=False``), or an answer that the library policy rules out
+    (``fn`` is a library function, or calls one in ``Exercise.forbidden``).
+    Prints one line on success unless ``quiet``.
     """
     if key not in EXERCISES:
         raise ValueError(f"key: expected one of {sorted(EXERCISES)}, got {key!r}")
@@ -348,6 +411,7 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
     name = ex.signature.split("(")[0]
     if not callable(fn):
         raise ExerciseError(f"Exercise {key}: expected a function {ex.signature}, got {type(fn).__name__}")
+    hint = f" Hint: {ex.hint}." if hints else ""
     cases = ex.cases()
     for i, (desc, args) in enumerate(cases, 1):
         inputs = tuple(
@@ -355,7 +419,7 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
             for a in args
         )
         try:
-            got = fn(*inputs)
+            got, calls, tampered = hidden.watched_call(fn, inputs, ex.forbidden)
         except NotImplementedError:
             raise ExerciseError(
                 f"Exercise {key}: {name} still raises NotImplementedError. Replace the stub "
@@ -365,6 +429,9 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
             raise ExerciseError(
                 f"Exercise {key}: {name} raised {type(exc).__name__}: {exc} (test case {i}: {desc})"
             ) from None
+        msg = hidden.policy_violation(fn, name, calls, tampered)
+        if msg is not None:
+            raise ExerciseError(f"Exercise {key}: {msg}; such an answer earns no points.")
         if got is None:
             raise ExerciseError(
                 f"Exercise {key}: {name} returned None: did you forget `return`? (test case {i}: {desc})"
@@ -382,9 +449,7 @@ def check(key: str, fn: Callable, *, quiet: bool = False) -> None:
         else:
             msg = _compare(got, ex.reference(*args), ex)
         if msg is not None:
-            raise ExerciseError(
-                f"Exercise {key}: {name} is not right yet on test case {i} ({desc}): {msg}. Hint: {ex.hint}."
-            )
+            raise ExerciseError(f"Exercise {key}: {name} is not right yet on test case {i} ({desc}): {msg}.{hint}")
     if not quiet:
         print(f"Exercise {key} passed ({len(cases)} test cases).")
 
@@ -396,3 +461,38 @@ def solved(key: str, fn: Callable) -> bool:
     except ExerciseError:
         return False
     return True
+
+
+def hidden_spec(key: str) -> dict:
+    """The hidden test of exercise ``key`` as a Python literal (for :func:`attnlib.course.hidden.grade`).
+
+    Inputs and expected values are computed here, by the library, once (at
+    release); the literal holds plain floats, so the grade does not depend on
+    any function a student's notebook can rebind.
+    """
+    if key not in EXERCISES:
+        raise ValueError(f"key: expected one of {sorted(EXERCISES)}, got {key!r}")
+    ex = EXERCISES[key]
+    cases = []
+    for desc, args in ex.cases():
+        case = {"desc": desc, "args": [hidden.encode(a) for a in args]}
+        if ex.kind == "minimiser":
+            S, M = args
+            case.update(
+                Sigma=hidden.encode(S),
+                M=hidden.encode(M),
+                Sigma_half=hidden.encode(sym_sqrt(S)),
+                scale=float(Task(S, M).excess_risk(torch.zeros_like(M), torch.zeros_like(S))),
+            )
+        else:
+            case["expected"] = hidden.encode(ex.reference(*args))
+        cases.append(case)
+    return {
+        "key": key,
+        "name": ex.signature.split("(")[0],
+        "kind": ex.kind,
+        "forbidden": list(ex.forbidden),
+        "rtol": ex.rtol,
+        "atol": ex.atol,
+        "cases": cases,
+    }

@@ -1,0 +1,293 @@
+r"""The course version of a chapter: its exercise section as an nbgrader source notebook.
+
+The chapter notebooks in ``book/`` are the single master. :func:`source_notebook`
+turns the section from the ``## Exercises`` heading to the end of a chapter
+into the notebook an nbgrader course keeps in ``source/<chapter>/``:
+
+* a title cell (new) and the chapter's import cell, locked (nbgrader
+  restores both when it grades), so the handout runs in seconds and grading
+  does not re-run the chapter's experiments;
+* the exercise statements and prose, with the MyST directives and roles
+  converted to plain Markdown (:mod:`attnlib.course.myst`), so they render
+  in JupyterLab and in the classic notebook without an extension;
+* without the book-only cells: those tagged ``solution-markup`` (the
+  solution dropdown's markup), ``remove-cell`` (the book's hidden assert
+  cells) or ``book-only``, and everything between ``{solution-start}`` and
+  ``{solution-end}`` that is not an nbgrader solution cell (the worked
+  solution's explanation);
+* the solution cells as they are (nbgrader's ``generate_assignment``
+  replaces the ``### BEGIN SOLUTION`` regions by stubs and the written
+  answer cells by ``YOUR ANSWER HERE``);
+* every graded cell with a hidden test appended: the self-contained grader
+  of :mod:`attnlib.course.hidden` and the exercise's cases and expected
+  values as literals (:func:`attnlib.course.exercises.hidden_spec`), and
+  with ``hints=False`` in the visible check for a release without hints.
+
+Cell ids of the kept cells are the master's, so a submission can be traced
+to its chapter by its cell ids.
+"""
+
+from __future__ import annotations
+
+import json
+import pprint
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+__all__ = [
+    "EXERCISES_HEADING",
+    "BOOK_ONLY_TAGS",
+    "read_notebook",
+    "exercise_start",
+    "source_notebook",
+    "hidden_test",
+    "graded_ids",
+    "nbgrader_ids",
+]
+
+EXERCISES_HEADING = "## Exercises"
+#: Cells with one of these tags exist only for the book and are not in a student's version.
+BOOK_ONLY_TAGS = frozenset({"solution-markup", "remove-cell", "book-only"})
+_CHECK = re.compile(r"""exercises\.check\(\s*["'](?P<key>[\d.]+)["']\s*,\s*(?P<fn>[A-Za-z_]\w*)\s*\)""")
+_HIDDEN_FN = "_attnlib_hidden_test"
+
+
+def read_notebook(path) -> dict:
+    """A notebook file as a dict (JSON), with a ``ValueError`` naming the file if it is not one."""
+    path = Path(path)
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: expected a notebook file ({exc})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise ValueError(f"{path}: expected a notebook file (JSON with a list of cells)")
+    return nb
+
+
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else str(src)
+
+
+def _meta(cell) -> dict:
+    meta = cell.get("metadata") or {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _nbgrader(cell) -> dict:
+    meta = _meta(cell).get("nbgrader") or {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def exercise_start(nb: dict) -> Optional[int]:
+    """Index of the markdown cell that starts with the ``## Exercises`` heading (``None`` if there is none)."""
+    for i, cell in enumerate(nb["cells"]):
+        if cell.get("cell_type") == "markdown" and _source(cell).lstrip().startswith(EXERCISES_HEADING):
+            return i
+    return None
+
+
+def graded_ids(nb: dict) -> Dict[str, int]:
+    """``{grade_id: points}`` of the graded cells (autograded and manually graded)."""
+    return {
+        _nbgrader(c)["grade_id"]: float(_nbgrader(c).get("points", 0))
+        for c in nb["cells"]
+        if _nbgrader(c).get("grade") and _nbgrader(c).get("grade_id")
+    }
+
+
+def nbgrader_ids(nb: dict) -> List[str]:
+    """The nbgrader ``grade_id`` of every cell that has one, in order."""
+    return [_nbgrader(c)["grade_id"] for c in nb["cells"] if _nbgrader(c).get("grade_id")]
+
+
+def _setup_cell(nb: dict, start: int, chapter: str) -> dict:
+    code = [c for c in nb["cells"][:start] if c.get("cell_type") == "code"]
+    for needle in ("from attnlib.course import exercises", "import attnlib"):
+        for cell in code:
+            if needle in _source(cell):
+                return cell
+    raise ValueError(
+        f"chapter: {chapter!r} has no import cell (`from attnlib.course import exercises`) before its exercises"
+    )
+
+
+def hidden_test(key: str, fn: str) -> str:
+    """The hidden-test region for the graded cell of exercise ``key`` whose function is ``fn``.
+
+    The grader's source (:mod:`attnlib.course.hidden`) is pasted into one
+    function so that it defines no name in the student's namespace except
+    that function's; the spec is a literal computed now by the library.
+    """
+    from . import exercises, hidden
+
+    src = Path(hidden.__file__).read_text(encoding="utf-8")
+    body = "\n".join(("    " + line) if line.strip() else "" for line in src.splitlines())
+    spec = pprint.pformat(exercises.hidden_spec(key), width=110, compact=True, sort_dicts=False)
+    spec = "\n".join("    " + line for line in ("SPEC = " + spec).splitlines())
+    return (
+        "### BEGIN HIDDEN TESTS\n"
+        f"def {_HIDDEN_FN}(fn):\n"
+        f'    """Hidden test of exercise {key}: the grader of attnlib.course.hidden and the fixed cases."""\n\n'
+        f"{body}\n\n"
+        f"{spec}\n"
+        "    return grade(fn, SPEC)\n\n\n"
+        f"{_HIDDEN_FN}({fn})\n"
+        "### END HIDDEN TESTS"
+    )
+
+
+def _code_cell(cell, source: str) -> dict:
+    return {
+        "cell_type": "code",
+        "execution_count": None,
+        "id": cell["id"],
+        "metadata": _clean_meta(cell),
+        "outputs": [],
+        "source": source,
+    }
+
+
+def _clean_meta(cell) -> dict:
+    meta = {}
+    if _nbgrader(cell):
+        meta["nbgrader"] = dict(_nbgrader(cell))
+    tags = [t for t in _meta(cell).get("tags", []) if t not in BOOK_ONLY_TAGS]
+    if tags:
+        meta["tags"] = tags
+    return meta
+
+
+def _chapter_titles(book: Path) -> Dict[str, str]:
+    from .myst import title_of
+
+    out = {}
+    for p in sorted(book.glob("*.ipynb")):
+        try:
+            nb = read_notebook(p)
+        except ValueError:
+            continue
+        for c in nb["cells"]:
+            if c.get("cell_type") == "markdown" and title_of(_source(c)):
+                out[p.stem] = title_of(_source(c))
+                break
+    for p in sorted(book.glob("*.md")):
+        t = title_of(p.read_text(encoding="utf-8"))
+        if t:
+            out[p.stem] = t
+    return out
+
+
+def _header(chapter: str, title: str, hints: bool) -> str:
+    number = re.match(r"ch(\d+)", chapter)
+    which = f"chapter {number.group(1)}, *{title}*" if number else f"the chapter *{title}*"
+    checks = (
+        "it runs your function on fixed test cases and says what is wrong, with a hint"
+        if hints
+        else "it runs your function on fixed test cases and says what is wrong (this version gives no hints)"
+    )
+    return f"""# Exercises: {title}
+
+These are the exercises of {which}, of the book *Softmax self-attention, trained to its global
+optimum*. Read the chapter first; the exercises build on its results and notation.
+
+* **Functions.** Write each function in the code cell under its exercise, in place of
+  `raise NotImplementedError()`, and keep its name. Then run the check cell after it: {checks}.
+  Your grade comes from hidden tests on the same cases, run when the notebook is graded.
+* **Library functions.** You may call the library (`al`, from `attnlib`) where an exercise says so.
+  An answer that *is* a library function, or that calls the library function the exercise asks
+  you to write, earns no points.
+* **Derivations and explanations** go in the answer cells (`YOUR ANSWER HERE`), in Markdown with
+  `$...$` for formulas; they are graded by hand.
+* The grey cells (this one, the import cell below and the check cells) are locked: do not delete
+  or change them, they are restored when the notebook is graded. Put your own imports in your
+  solution cells.
+* Before you hand in: *Kernel, Restart Kernel and Run All Cells*, and check that every cell ran."""
+
+
+def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
+    """The nbgrader source notebook (a dict, nbformat 4) of ``chapter``'s exercise section.
+
+    ``hints=False`` makes the visible checks give no hints (for graded use).
+    Raises ``ValueError`` naming the argument if the chapter does not exist or
+    has no exercise section, and for a graded cell that does not call
+    ``exercises.check("<key>", <function>)``.
+    """
+    from . import BOOK_DIR
+    from .exercises import EXERCISES
+    from .myst import labels_of, read_bib, to_markdown
+
+    book = Path(book_dir) if book_dir is not None else BOOK_DIR
+    path = book / f"{chapter}.ipynb"
+    if not path.is_file():
+        raise ValueError(f"chapter: expected the name of a notebook in {book}, got {chapter!r}")
+    nb = read_notebook(path)
+    start = exercise_start(nb)
+    if start is None:
+        raise ValueError(f"chapter: {chapter!r} has no {EXERCISES_HEADING!r} section")
+    md = [_source(c) for c in nb["cells"] if c.get("cell_type") == "markdown"]
+    docs = _chapter_titles(book)
+    bib_file = book / "references.bib"
+    bib = read_bib(bib_file) if bib_file.is_file() else {}
+    labels = labels_of(md)
+
+    def convert(text):
+        return to_markdown(text, labels=labels, docs=docs, bib=bib)
+
+    title = docs.get(chapter, chapter)
+    setup = _setup_cell(nb, start, chapter)
+    cells = [
+        {
+            "cell_type": "markdown",
+            "id": f"handout-{chapter}"[:64],
+            "metadata": {
+                "nbgrader": {
+                    "grade": False,
+                    "grade_id": "handout-header",
+                    "locked": True,
+                    "schema_version": 3,
+                    "solution": False,
+                    "task": False,
+                }
+            },
+            "source": _header(chapter, title, hints),
+        }
+    ]
+    setup_meta = {"grade": False, "grade_id": "setup", "locked": True, "schema_version": 3, "solution": False}
+    setup_meta["task"] = False
+    cells.append(_code_cell(setup, _source(setup)))
+    cells[-1]["metadata"]["nbgrader"] = setup_meta
+
+    inside = False
+    for cell in nb["cells"][start:]:
+        src = _source(cell)
+        grader = _nbgrader(cell)
+        tags = set(_meta(cell).get("tags", []))
+        opens, closes = "{solution-start}" in src, "{solution-end}" in src
+        if opens:
+            inside = True
+        if closes:
+            inside = False
+        if tags & BOOK_ONLY_TAGS or opens or closes:
+            continue
+        if inside and not grader.get("solution"):
+            continue
+        if cell.get("cell_type") == "markdown":
+            text = convert(src)
+            if not text.strip() and not grader:
+                continue
+            cells.append({"cell_type": "markdown", "id": cell["id"], "metadata": _clean_meta(cell), "source": text})
+        elif cell.get("cell_type") == "code":
+            if grader.get("grade"):
+                m = _CHECK.search(src)
+                if not m or m["key"] not in EXERCISES:
+                    raise ValueError(
+                        f"chapter: the graded cell {grader.get('grade_id')!r} of {chapter!r} must call "
+                        f'exercises.check("<key>", <function>) with a key of attnlib.course.exercises'
+                    )
+                visible = src if hints else _CHECK.sub(lambda m: m[0][:-1].rstrip() + ", hints=False)", src)
+                src = visible.rstrip() + "\n" + hidden_test(m["key"], m["fn"])
+            cells.append(_code_cell(cell, src))
+    meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
+    return {"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": max(5, nb.get("nbformat_minor", 5))}

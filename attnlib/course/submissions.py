@@ -1,0 +1,214 @@
+"""Checks of submitted notebooks: one-line errors for bad files, problems that are repaired and reported.
+
+:func:`inspect_submission` reads one submitted file against the released
+handout of its assignment. A file that cannot be graded raises
+:class:`SubmissionError` with a one-line message (empty, not JSON, not a
+notebook, another chapter's notebook, no cell of the handout). A notebook
+that can be graded but was damaged is repaired from the handout and its
+problems are listed: a deleted graded cell is put back where it was, an
+edited graded or locked cell gets its original source (nbgrader would
+restore it anyway; the message tells the instructor it happened), a deleted
+solution cell is reported. :func:`suspicious_code` lists lines of the
+student's own cells that tamper with modules or the interpreter, for review.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from .handout import _nbgrader, _source, nbgrader_ids
+
+__all__ = ["SubmissionError", "inspect_submission", "suspicious_code", "chapter_of"]
+
+
+class SubmissionError(ValueError):
+    """A submitted file cannot be graded; the message says why, on one line."""
+
+
+def _load(path: Path) -> dict:
+    if not path.is_file():
+        raise SubmissionError(f"{path}: no such file")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise SubmissionError(f"{path}: the file is empty (expected a Jupyter notebook)")
+    try:
+        nb = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SubmissionError(f"{path}: not a Jupyter notebook (the file is not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise SubmissionError(
+            f"{path}: not a Jupyter notebook (invalid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise SubmissionError(f"{path}: not a Jupyter notebook (the JSON has no list of cells)")
+    if int(nb.get("nbformat", 0) or 0) < 4:
+        raise SubmissionError(
+            f"{path}: a notebook of format {nb.get('nbformat')}; open it in Jupyter and save it (format 4)"
+        )
+    for i, cell in enumerate(nb["cells"], 1):
+        if not isinstance(cell, dict) or cell.get("cell_type") not in ("code", "markdown", "raw"):
+            raise SubmissionError(f"{path}: not a valid notebook (cell {i} has no known cell type)")
+    return nb
+
+
+def chapter_of(nb: dict, handouts: Dict[str, set]) -> Optional[str]:
+    """The chapter whose handout shares most nbgrader ids (then cell ids) with ``nb``, or ``None``."""
+    ids = set(nbgrader_ids(nb))
+    cell_ids = {c.get("id") for c in nb["cells"] if c.get("id")}
+    best, score = None, (0, 0)
+    for chapter, (grade_ids, handout_cell_ids) in handouts.items():
+        s = (len(ids & grade_ids), len(cell_ids & handout_cell_ids))
+        if s > score:
+            best, score = chapter, s
+    return best
+
+
+def inspect_submission(path, chapter: str, release: dict, handouts: Dict[str, Tuple[set, set]]):
+    """Check one submitted notebook of ``chapter`` against its ``release`` (the handout as a dict).
+
+    ``handouts`` maps every chapter to ``(nbgrader ids, cell ids)`` of its
+    exercise section, to name the chapter a wrong notebook belongs to.
+    Returns ``(notebook, problems)``: the notebook with deleted graded cells
+    put back and edited locked cells restored, and one line per problem.
+    Raises :class:`SubmissionError` if the file cannot be graded.
+    """
+    path = Path(path)
+    nb = _load(path)
+    mine = set(nbgrader_ids(release))
+    present = set(nbgrader_ids(nb))
+    if not present & mine:
+        other = chapter_of(nb, {k: v for k, v in handouts.items() if k != chapter})
+        if other is not None:
+            raise SubmissionError(f"{path}: this is the notebook of {other}, not of {chapter} (by its cell ids)")
+        raise SubmissionError(
+            f"{path}: none of the cells of the {chapter} handout is in this notebook; "
+            f"was it made from the released {chapter}.ipynb?"
+        )
+    problems: List[str] = []
+    by_id = {}
+    for cell in nb["cells"]:
+        gid = _nbgrader(cell).get("grade_id")
+        if gid and gid not in by_id:
+            by_id[gid] = cell
+    cells = list(nb["cells"])
+
+    def put_back(pos, rcell):
+        """Insert a copy of the handout's cell after the closest preceding handout cell still present."""
+        at = 0
+        for prev in reversed(release["cells"][:pos]):
+            pid = _nbgrader(prev).get("grade_id")
+            if pid in by_id:
+                at = next(i for i, c in enumerate(cells) if c is by_id[pid]) + 1
+                break
+        restored = json.loads(json.dumps(rcell))
+        cells.insert(at, restored)
+        by_id[_nbgrader(rcell)["grade_id"]] = restored
+
+    for pos, rcell in enumerate(release["cells"]):
+        meta = _nbgrader(rcell)
+        gid = meta.get("grade_id")
+        if not gid:
+            continue
+        cell = by_id.get(gid)
+        if cell is None:
+            if meta.get("solution") and not meta.get("grade"):
+                problems.append(f"the solution cell {gid} was deleted; its exercise earns no points")
+                continue
+            put_back(pos, rcell)
+            if meta.get("solution"):  # a written answer
+                problems.append(f"the answer cell {gid} was deleted; it was put back empty")
+            else:
+                kind = "graded cell" if meta.get("grade") else "locked cell"
+                problems.append(f"the {kind} {gid} was deleted; it was put back from the handout")
+            continue
+        if meta.get("locked") and (
+            _source(cell).strip() != _source(rcell).strip() or cell.get("cell_type") != rcell.get("cell_type")
+        ):
+            kind = "graded cell" if meta.get("grade") else "locked cell"
+            problems.append(f"the {kind} {gid} was edited; it is graded with its original source")
+            cell.clear()
+            cell.update(json.loads(json.dumps(rcell)))
+    nb["cells"] = cells
+    return nb, problems
+
+
+_MODULE_IMPORTS = (ast.Import, ast.ImportFrom)
+_CALLS = {"setattr", "delattr", "exec", "eval", "compile", "__import__", "get_ipython", "globals", "vars"}
+_MODULES = {"builtins", "gc", "ctypes", "inspect", "importlib", "sys", "IPython", "ipykernel"}
+_SYS_ATTRS = {"setprofile", "settrace", "modules", "excepthook", "_getframe"}
+
+
+def _root(node) -> Optional[str]:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _dotted(node) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def suspicious_code(nb: dict) -> List[str]:
+    """Lines of the student's own code cells that change modules or the interpreter, for review.
+
+    Module names are the names bound by ``import`` anywhere in the notebook.
+    Reported: assignments to (or deletion of) attributes of modules
+    (``exercises.check = ...``, ``al.to_factor = ...``, ``torch.allclose = ...``),
+    calls of ``setattr``, ``exec``, ``eval``, ``get_ipython`` and the like,
+    imports of ``builtins``, ``gc``, ``ctypes``, ``sys``, ``inspect``,
+    ``importlib`` or IPython, and ``sys.setprofile``/``settrace``/``modules``.
+    Locked cells (the handout's own) are skipped; cells that do not parse
+    are skipped (their error is reported by grading).
+    """
+    trees = []
+    modules = set()
+    for i, cell in enumerate(nb["cells"], 1):
+        if cell.get("cell_type") != "code":
+            continue
+        meta = _nbgrader(cell)
+        src = "\n".join(line for line in _source(cell).splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                modules.update(a.asname or a.name for a in node.names)
+        if not meta.get("locked"):
+            trees.append((meta.get("grade_id") or f"cell {i}", tree))
+    out = []
+    for name, tree in trees:
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = list(node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
+                while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+                    targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+                for t in targets:
+                    if isinstance(t, (ast.Attribute, ast.Subscript)) and _root(t) in modules:
+                        verb = "deletes" if isinstance(node, ast.Delete) else "assigns to"
+                        what = f"{verb} {_dotted(t)}"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
+                what = f"calls {node.func.id}()"
+            elif isinstance(node, _MODULE_IMPORTS):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad = [n for n in names if n.split(".")[0] in _MODULES]
+                if bad:
+                    what = f"imports {', '.join(bad)}"
+            elif isinstance(node, ast.Attribute) and _root(node) == "sys" and node.attr in _SYS_ATTRS:
+                what = f"uses sys.{node.attr}"
+            if what is not None:
+                entry = f"{name}, line {getattr(node, 'lineno', '?')}: {what}"
+                if entry not in out:
+                    out.append(entry)
+    return out

@@ -1,0 +1,55 @@
+"""The book's figure and table style."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+import attnlib.plotting as ap  # noqa: E402
+
+
+def test_figure_has_column_width_and_readable_fonts():
+    fig, axes = ap.figure(3)
+    assert fig.get_size_inches()[0] == pytest.approx(ap.COLUMN_WIDTH)
+    assert len(axes) == 3
+    assert plt.rcParams["xtick.labelsize"] >= 9 and plt.rcParams["legend.fontsize"] >= 9
+    with pytest.raises(ValueError, match="ncols"):
+        ap.figure(4)
+    plt.close("all")
+
+
+def test_shared_legend_collects_unique_labels_and_removes_panel_legends():
+    fig, axes = ap.figure(2)
+    for ax in axes:
+        ax.plot([0, 1], [0, 1], label="a")
+        ax.plot([0, 1], [1, 0], label="b")
+        ax.legend()
+    leg = ap.shared_legend(fig, axes)
+    assert [t.get_text() for t in leg.get_texts()] == ["a", "b"]
+    assert all(ax.get_legend() is None for ax in axes)
+    fig2, ax2 = ap.figure()
+    with pytest.raises(ValueError, match="no labelled artists"):
+        ap.shared_legend(fig2, [ax2])
+    plt.close("all")
+
+
+def test_check_labelled_names_the_unlabelled_panel():
+    fig, axes = ap.figure(2)
+    for ax in axes:
+        ax.plot([0, 1], [0, 1])
+        ax.set_xlabel("n")
+    axes[0].set_ylabel("excess")
+    with pytest.raises(ValueError, match="panel 1"):
+        ap.check_labelled(fig)
+    axes[1].set_ylabel("excess")
+    ap.check_labelled(fig)
+    plt.close("all")
+
+
+def test_table_formats_and_scrolls():
+    sty = ap.table([{"n": 16, "excess": 0.0123456}, {"n": 32, "excess": 0.00321}], formats="{:.3g}", caption="demo")
+    html = sty.to_html()
+    assert 'class="attnlib-table"' in html and "0.0123" in html and "0.0123456" not in html and "demo" in html
+    with pytest.raises(ValueError, match="columns"):
+        ap.table({"n": [1]}, columns=["m"])
