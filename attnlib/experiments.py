@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,8 @@ from .train import Recorder, train
 
 __all__ = [
     "TASK",
+    "TaskSpec",
+    "FULL",
     "make_task",
     "SWEEPS",
     "sweep",
@@ -74,6 +77,22 @@ __all__ = [
 
 #: The task every sweep uses (arguments of :meth:`attnlib.task.Task.random`).
 TASK = dict(d=4, k=2, cond=10.0, signal=1.0, seed=0)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The sweeps' task as attributes (what :meth:`attnlib.task.Task.random` receives, seed as ``task_seed``)."""
+
+    d: int
+    k: int
+    cond: float
+    signal: float
+    task_seed: int
+
+
+#: The sweeps' task as attributes (``FULL.d``, ``FULL.k``, ``FULL.cond``, ``FULL.signal``,
+#: ``FULL.task_seed``); the name is kept for chapters that read the task of the scaling chapter from it.
+FULL = TaskSpec(TASK["d"], TASK["k"], TASK["cond"], TASK["signal"], TASK["seed"])
 
 
 def make_task(noise_std: float = 0.0) -> Task:

@@ -24,6 +24,11 @@ def test_quick_sweep_writes_tidy_csv_and_resumes(tmp_path, capsys, name):
     assert len(ex.load(str(out))) == len(rows)
 
 
+def test_full_names_the_sweeps_task():
+    t = al.Task.random(ex.FULL.d, ex.FULL.k, cond=ex.FULL.cond, signal=ex.FULL.signal, seed=ex.FULL.task_seed)
+    assert torch.equal(t.T, ex.make_task().T)
+
+
 def test_sequences_are_independent_across_n_noise_and_seed():
     """No sequence is a prefix of another (the old design nested them)."""
     t0, t1 = ex.make_task(0.0), ex.make_task(0.1)
