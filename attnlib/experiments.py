@@ -1,274 +1,510 @@
-"""Reproducible experiment runner: the scaling law of the excess risk in n and m.
+"""The scaling experiments of the last chapter: four resumable sweeps, their CLI and their fits.
 
-Command line (from the repository root)::
+Command line (from the repository root; ``--workers N`` fans the runs out over a local Dask
+cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, default: in process)::
 
-    python -m attnlib.experiments scaling --out book/data/scaling.csv          # full grid
-    python -m attnlib.experiments scaling --quick --out /tmp/scaling_quick.csv  # small grid (CI)
+    python -m attnlib.experiments spectral --out book/data/regime1_spectral.csv --workers 2
+    python -m attnlib.experiments trained  --out book/data/regime1_trained.csv  --workers 2
+    python -m attnlib.experiments rate     --out book/data/regime1_rate.csv     --workers 2
+    python -m attnlib.experiments prompts  --out book/data/regime2_prompts.csv  --workers 2
+    python -m attnlib.experiments prompts --quick --out /tmp/q.csv             # seconds (tests)
 
-For every sequence length ``n``, noise level and seed, one sequence is drawn,
-Algorithm 1 (``attnlib.train``, ``method="structured"``) runs for ``--steps``
-steps, and every step is written as one row of a tidy CSV: ``n, noise_std,
-seed, step, excess, dist, objective, time_s`` plus, at the first and last
-step, ``test_loss`` (the empirical loss of the finite layer on fresh sequences
-of the same length) and ``spectral_excess`` at step 0 (the spectral
-initialisation). Runs already in the output file are skipped, so an
-interrupted sweep resumes where it stopped; progress is shown with tqdm.
+Regime (i), ``n`` = the number of tokens of the one training sequence:
+
+* ``spectral``: the spectral initialisation's population excess (and ``dist_P``), 400 independent
+  sequences per ``n`` (16 .. 16384) and noise level (0, 0.1); every ``(n, noise, seed)`` has its
+  own stream, so no sequence is a prefix of another;
+* ``trained``: Algorithm 1 for 80 steps (step 0.5) with the balancing renormalisation (exactly
+  ``attnlib.train(method="structured")``) and with the capped one of ``attnlib.renorm``
+  (``kappa = 0.25``), noise 0 and 0.1 on independent sequences, 40 seeds per ``n`` (32 .. 1024);
+  rows at steps 0 (spectral initialisation), 1, 2, 3, 5, 10, 20, 40, 60, 80; test loss on fresh
+  sequences of length ``n`` at steps 0 and 80;
+* ``rate``: 300 steps recorded at every step (4 seeds, ``n`` = 128, 512, 1024, both renormalisations,
+  noise 0.1), with ``orbit_dist`` the P-distance (in the
+  coordinates of ``Sigmahat``) to the orbit of the last iterate: the optimisation rate on
+  orbit-invariant quantities.
+
+Regime (ii), ``n`` = context length, infinitely many prompts:
+
+* ``prompts``: ``attnlib.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
+  last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalisations ``cap`` 0.25,
+  ``fix`` 0.375, ``fix`` 0.7 and ``balance``, which gives ``s_1(T) = 0.94`` for this task), 6
+  independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
+  from which :func:`prompt_excess` forms the unbiased U-statistic.
+
+All sweeps share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1`` (seed 0).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
+import math
 import sys
-import time
-from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ._validate import check_positive_int, resolve_device, resolve_dtype
 from .finite_n import heldout_loss
-from .fits import fit_geometric_rate, fit_power_law
+from .geometry import distance_to_manifold
 from .init import spectral_init
+from .prompts import excess_ustat, run_chain
+from .renorm import orbit_distance, softmax_scale, train_sequence
 from .rng import derive_seed
+from .runner import Sweep, read_sweep, run_sweep
+from .stats import ExponentFit, fit_exponent, ustat_exponent
 from .task import Task
-from .train import train
+from .train import Recorder, train
 
 __all__ = [
-    "ScalingConfig",
-    "QUICK",
+    "TASK",
+    "TaskSpec",
     "FULL",
-    "run_scaling",
-    "read_rows",
-    "floor_by_run",
+    "make_task",
+    "SWEEPS",
+    "sweep",
+    "load",
+    "values_by_n",
     "fit_floor",
-    "fit_optimisation_rate",
+    "spectral_constant",
+    "lower_bound_constant",
+    "van_trees_bound",
+    "prompt_excess",
+    "fit_prompt_exponent",
     "main",
 ]
 
-COLUMNS = ["n", "noise_std", "seed", "step", "excess", "dist", "objective", "time_s", "test_loss", "diverged"]
+#: The task every sweep uses (arguments of :meth:`attnlib.task.Task.random`).
+TASK = dict(d=4, k=2, cond=10.0, signal=1.0, seed=0)
 
 
-@dataclass
-class ScalingConfig:
-    """The grid and the task of a scaling sweep (all runs share the task; seeds vary the sequence)."""
+@dataclass(frozen=True)
+class TaskSpec:
+    """The sweeps' task as attributes (what :meth:`attnlib.task.Task.random` receives, seed as ``task_seed``)."""
 
-    ns: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192, 16384)
-    noise_stds: Sequence[float] = (0.0, 0.1)
-    seeds: Sequence[int] = (0, 1, 2, 3, 4)
-    steps: int = 80
-    lr: float = 0.5
-    d: int = 4
-    k: int = 2
-    cond: float = 10.0
-    signal: float = 1.0
-    task_seed: int = 0
-    test_sequences: int = 2
-    dtype: str = "float64"
-
-    def task(self, noise_std: float, device=None) -> Task:
-        return Task.random(
-            self.d,
-            self.k,
-            cond=self.cond,
-            signal=self.signal,
-            noise_std=noise_std,
-            seed=self.task_seed,
-            dtype=resolve_dtype(self.dtype),
-            device=resolve_device(device),
-        )
+    d: int
+    k: int
+    cond: float
+    signal: float
+    task_seed: int
 
 
-FULL = ScalingConfig()
-QUICK = ScalingConfig(ns=(64, 256), noise_stds=(0.0, 0.1), seeds=(0, 1), steps=8)
-# Step 1.0 (tried first) oscillates on finite sequences (period-2 in the excess at n = 4096 after 40
-# steps), so the full grid uses 0.5 and 80 steps.
+#: The sweeps' task as attributes (``FULL.d``, ``FULL.k``, ``FULL.cond``, ``FULL.signal``,
+#: ``FULL.task_seed``); the name is kept for chapters that read the task of the scaling chapter from it.
+FULL = TaskSpec(TASK["d"], TASK["k"], TASK["cond"], TASK["signal"], TASK["seed"])
 
 
-def _done_runs(path: str) -> set:
-    if not os.path.exists(path):
-        return set()
-    return {(int(r["n"]), float(r["noise_std"]), int(r["seed"])) for r in read_rows(path)}
+def make_task(noise_std: float = 0.0) -> Task:
+    """The sweeps' task with label noise ``noise_std`` (float64, CPU)."""
+    return Task.random(
+        TASK["d"], TASK["k"], cond=TASK["cond"], signal=TASK["signal"], noise_std=noise_std, seed=TASK["seed"]
+    )
 
 
-def run_scaling(config: ScalingConfig, out: str, *, device=None, progress: bool = True) -> Dict[str, float]:
-    """Run (or resume) the sweep of ``config``, appending rows to the CSV file ``out``.
-
-    Returns ``{"runs": new runs, "skipped": runs found in out, "wall_s": seconds}``.
-    """
-    device = resolve_device(device)
-    done = _done_runs(out)
-    todo = [
-        (n, s2, seed)
-        for n in config.ns
-        for s2 in config.noise_stds
-        for seed in config.seeds
-        if (int(n), float(s2), int(seed)) not in done
-    ]
-    new_file = not os.path.exists(out) or os.path.getsize(out) == 0
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-    t_start = time.perf_counter()
-    from tqdm import tqdm
-
-    with open(out, "a", newline="") as fh:
-        writer = csv.writer(fh)
-        if new_file:
-            writer.writerow(COLUMNS)
-        # smallest n first, so an interrupted sweep has the cheap part of the grid
-        for n, noise, seed in tqdm(sorted(todo), desc="scaling runs", disable=not progress):
-            task = config.task(noise, device)
-            X, Y = task.sample(int(n), seed=derive_seed(int(seed), "sequence"))
-            h = train(X, Y, steps=config.steps, lr=config.lr, method="structured", task=task, on_divergence="stop")
-            tl0 = tl1 = float("nan")
-            if h.steps:
-                tl1 = heldout_loss(h.A, h.B, task, int(n), n_sequences=config.test_sequences, seed=int(seed))
-                A0, B0 = spectral_init(X, Y)
-                tl0 = heldout_loss(A0, B0, task, int(n), n_sequences=config.test_sequences, seed=int(seed))
-            last = len(h.steps) - 1
-            for i, st in enumerate(h.steps):
-                tl = tl0 if i == 0 else (tl1 if i == last else float("nan"))
-                writer.writerow(
-                    [
-                        int(n),
-                        float(noise),
-                        int(seed),
-                        int(st),
-                        repr(h.excess[i]),
-                        repr(h.dist[i]),
-                        repr(h.objective[i]),
-                        repr(h.time[i]),
-                        repr(tl),
-                        int(h.diverged),
-                    ]
-                )
-            fh.flush()
-    return {"runs": len(todo), "skipped": len(done), "wall_s": time.perf_counter() - t_start}
+def _stream(kind: str, noise: float, n: int) -> str:
+    return f"{kind}:noise={float(noise)!r}:n={int(n)}"
 
 
-def read_rows(path: str) -> List[Dict[str, float]]:
-    """Read a scaling CSV into a list of dicts with numeric values."""
+def _sequence(task: Task, kind: str, n: int, seed: int):
+    return task.sample(int(n), seed=derive_seed(int(seed), _stream(kind, task.noise_std, n)))
+
+
+# ----------------------------------------------------------------------------- regime (i): spectral
+
+
+def _run_spectral(spec: dict) -> List[dict]:
+    task = make_task(spec["noise_std"])
     rows = []
-    with open(path, newline="") as fh:
-        for r in csv.DictReader(fh):
-            missing = [c for c in COLUMNS if c not in r]
-            if missing:
-                raise ValueError(f"path: {path} is not a scaling CSV (missing columns {missing})")
-            rows.append({k: float(v) if v not in ("", None) else float("nan") for k, v in r.items()})
+    for seed in range(int(spec["seeds"])):
+        X, Y = _sequence(task, "regime-i", spec["n"], seed)
+        A, B = spectral_init(X, Y)
+        rows.append(
+            dict(
+                seed=seed,
+                excess=float(task.excess_risk(A, B)),
+                dist=float(distance_to_manifold(A, B, task)),
+                scale=softmax_scale(A, B, task),
+            )
+        )
     return rows
 
 
-def floor_by_run(
-    rows: Iterable[Dict[str, float]], column: str = "excess", step: Optional[int] = None
-) -> Dict[Tuple[int, float, int], float]:
-    """Value of ``column`` at ``step`` (default: the last step of each run), keyed by ``(n, noise_std, seed)``."""
-    best: Dict[Tuple[int, float, int], Tuple[int, float]] = {}
+def _spectral_specs(ns, noises, seeds) -> List[dict]:
+    return [
+        dict(run=f"n={n}:noise={s}", n=int(n), noise_std=float(s), seeds=int(seeds), cost=float(n) * seeds)
+        for n in ns
+        for s in noises
+    ]
+
+
+# ----------------------------------------------------------------------------- regime (i): trained
+
+RECORD_STEPS = (0, 1, 2, 3, 5, 10, 20, 40, 60, 80)
+
+
+class _IterateRecorder(Recorder):
+    """Also keeps a copy of every recorded iterate (for distances to the limit's orbit)."""
+
+    def __init__(self, history, task, guard, to_original=lambda A, B: (A, B)):
+        super().__init__(history, task, guard, to_original)
+        self.iterates = []
+
+    def record(self, t, A, B, loss, obj, grads, elapsed) -> bool:
+        ok = super().record(t, A, B, loss, obj, grads, elapsed)
+        if ok:
+            self.iterates.append((A.detach().clone(), B.detach().clone()))
+        return ok
+
+
+def _train(spec: dict, task: Task, X, Y, recorder_cls=Recorder):
+    if spec["renorm"] == "balance" and recorder_cls is Recorder:
+        return train(
+            X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), method="structured", task=task, on_divergence="stop"
+        ), None
+    kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
+    holder = {}
+
+    def make(history, task_, guard):
+        holder["rec"] = recorder_cls(history, task_, guard)
+        return holder["rec"]
+
+    h = train_sequence(
+        X,
+        Y,
+        steps=int(spec["steps"]),
+        lr=float(spec["lr"]),
+        mode=spec["renorm"],
+        kappa=kappa,
+        task=task,
+        recorder_cls=make,
+    )
+    return h, holder["rec"]
+
+
+def _run_trained(spec: dict) -> List[dict]:
+    task = make_task(spec["noise_std"])
+    n, seed = int(spec["n"]), int(spec["seed"])
+    X, Y = _sequence(task, "regime-i-trained", n, seed)
+    h, _ = _train(spec, task, X, Y)
+    A0, B0 = spectral_init(X, Y)
+    tl0 = heldout_loss(A0, B0, task, n, n_sequences=2, seed=seed)
+    tl1 = heldout_loss(h.A, h.B, task, n, n_sequences=2, seed=seed)
+    last = h.steps[-1]
+    rows = []
+    for i, st in enumerate(h.steps):
+        if st not in RECORD_STEPS and st != last:
+            continue
+        rows.append(
+            dict(
+                step=int(st),
+                excess=h.excess[i],
+                dist=h.dist[i],
+                objective=h.objective[i],
+                test_loss=tl0 if st == 0 else (tl1 if st == last else math.nan),
+                diverged=int(h.diverged),
+            )
+        )
+    rows[-1]["scale"] = softmax_scale(h.A, h.B, task)
+    return rows
+
+
+def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
+    return [
+        dict(
+            run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
+            renorm=renorm,
+            kappa=kappa if kappa is not None else "",
+            noise_std=float(noise),
+            n=int(n),
+            seed=int(seed),
+            steps=int(steps),
+            lr=float(lr),
+            cost=float(n) ** 2 * steps + 2e4 * steps,
+        )
+        for renorm, kappa, noise in configs
+        for n in ns
+        for seed in range(seeds)
+    ]
+
+
+# ----------------------------------------------------------------------------- regime (i): rate
+
+
+def _run_rate(spec: dict) -> List[dict]:
+    task = make_task(spec["noise_std"])
+    n, seed = int(spec["n"]), int(spec["seed"])
+    X, Y = _sequence(task, "regime-i-rate", n, seed)
+    h, rec = _train(spec, task, X, Y, recorder_cls=_IterateRecorder)
+    from .task import empirical_task
+
+    geom = empirical_task(X, Y)
+    A_inf, B_inf = rec.iterates[-1]
+    rows = []
+    for i, st in enumerate(h.steps):
+        A, B = rec.iterates[i]
+        rows.append(
+            dict(
+                step=int(st),
+                excess=h.excess[i],
+                dist=h.dist[i],
+                orbit_dist=orbit_distance(A, B, A_inf, B_inf, geom),
+                objective=h.objective[i],
+            )
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- regime (ii)
+
+PROMPT_SCALES = (
+    ("cap0.25", "cap", 0.25),
+    ("fix0.375", "fix", 0.375),
+    ("fix0.7", "fix", 0.7),
+    ("balance", "balance", None),
+)
+
+
+def prompts_per_step(n: int, base: int = 16, n_ref: int = 256) -> int:
+    """Prompts per step of the regime-(ii) chains: ``base * max(1, n_ref / n)`` (more at short contexts,
+    where they are cheap, so that the iterate noise, hence its second-order bias, stays small)."""
+    return int(base * max(1, n_ref // int(n)))
+
+
+def _run_chain(spec: dict) -> List[dict]:
+    task = make_task(0.0)
+    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
+    res = run_chain(
+        task,
+        int(spec["n"]),
+        steps=int(spec["steps"]),
+        burn_in=int(spec["burn_in"]),
+        prompts=int(spec["prompts"]),
+        lr=float(spec["lr"]),
+        mode=spec["mode"],
+        kappa=kappa,
+        seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
+    )
+    row = {f"r{i}": float(v) for i, v in enumerate(res.R.ravel())}
+    row.update(
+        naive_excess=res.naive_excess,
+        test_excess=res.test_excess,
+        scale=res.scale,
+        last_excess=res.history.excess[-1],
+        batches=res.batches,
+    )
+    return [row]
+
+
+def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5) -> List[dict]:
+    out = []
+    for label, mode, kappa in scales:
+        for n in ns:
+            P = prompts_per_step(n)
+            for c in range(chains):
+                out.append(
+                    dict(
+                        run=f"{label}:n={n}:chain={c}",
+                        label=label,
+                        mode=mode,
+                        kappa=kappa if kappa is not None else "",
+                        n=int(n),
+                        chain=int(c),
+                        steps=int(steps),
+                        burn_in=int(burn_in),
+                        prompts=P,
+                        lr=float(lr),
+                        cost=float(P) * n * n * steps,
+                    )
+                )
+    return out
+
+
+# ----------------------------------------------------------------------------- the sweeps
+
+_TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
+
+SWEEPS: Dict[str, dict] = {
+    "spectral": dict(
+        func=_run_spectral,
+        spec_columns=("n", "noise_std"),
+        columns=("seed", "excess", "dist", "scale"),
+        full=lambda: _spectral_specs([2**i for i in range(4, 15)], (0.0, 0.1), 400),
+        quick=lambda: _spectral_specs((16, 64, 256), (0.0, 0.1), 20),
+    ),
+    "trained": dict(
+        func=_run_trained,
+        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        columns=("step", "excess", "dist", "objective", "test_loss", "diverged", "scale"),
+        full=lambda: _trained_specs(_TRAINED_CONFIGS, [2**i for i in range(5, 11)], 40),
+        quick=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (32, 64), 2, steps=5),
+    ),
+    "rate": dict(
+        func=_run_rate,
+        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        columns=("step", "excess", "dist", "orbit_dist", "objective"),
+        full=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (128, 512, 1024), 4, steps=300),
+        quick=lambda: _trained_specs((("balance", None, 0.1),), (32,), 2, steps=20),
+    ),
+    "prompts": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _prompt_specs(PROMPT_SCALES, [2**i for i in range(4, 11)], 6),
+        quick=lambda: _prompt_specs(
+            (("balance", "balance", None), ("cap0.25", "cap", 0.25)), (16, 32), 3, steps=12, burn_in=4
+        ),
+    ),
+}
+
+
+def sweep(name: str, quick: bool = False) -> Sweep:
+    """The ``attnlib.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests)."""
+    if name not in SWEEPS:
+        raise ValueError(f"name: expected one of {tuple(SWEEPS)}, got {name!r}")
+    s = SWEEPS[name]
+    return Sweep(name, s["func"], s["quick" if quick else "full"](), s["spec_columns"], s["columns"])
+
+
+def load(path: str) -> List[Dict[str, object]]:
+    """Rows of a sweep CSV (complete runs only); see ``attnlib.runner.read_sweep``."""
+    return read_sweep(path)
+
+
+# ----------------------------------------------------------------------------- analysis helpers
+
+
+def values_by_n(rows, column: str = "excess", **where) -> Dict[int, np.ndarray]:
+    """``{n: array of column}`` over the rows matching every ``key=value`` in ``where``."""
+    out: Dict[int, list] = {}
     for r in rows:
-        key = (int(r["n"]), float(r["noise_std"]), int(r["seed"]))
-        st = int(r["step"])
-        if step is not None:
-            if st == step:
-                best[key] = (st, r[column])
-        elif key not in best or st > best[key][0]:
-            best[key] = (st, r[column])
-    return {k: v for k, (_, v) in best.items()}
+        if all((r[k] == v) if not isinstance(v, float) else (float(r[k]) == v) for k, v in where.items()):
+            out.setdefault(int(r["n"]), []).append(float(r[column]))
+    if not out:
+        raise ValueError(f"where: no rows match {where}")
+    return {n: np.array(v) for n, v in sorted(out.items())}
 
 
 def fit_floor(
     rows,
     noise_std: float,
     *,
-    column: str = "excess",
+    renorm: str = "balance",
     step: Optional[int] = None,
-    n_boot: int = 1000,
-    seed: int = 0,
+    stat: str = "mean",
     level: float = 0.95,
-):
-    """Power-law fit of ``column`` against ``n`` over all runs at ``noise_std`` with a bootstrap CI at ``level``.
+    n_min=None,
+) -> ExponentFit:
+    """Exponent of the regime-(i) excess against ``n`` over independent seeds (rows of the ``trained`` sweep).
 
-    The bootstrap resamples seeds within each ``n`` (runs are the independent
-    units); returns a :class:`~attnlib.fits.PowerLawFit`.
+    ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
+    initialisation). ``stat``: fit the per-``n`` mean or median (``attnlib.stats.fit_exponent``).
     """
-    vals = {k: v for k, v in floor_by_run(rows, column, step).items() if k[1] == float(noise_std)}
-    if not vals:
-        raise ValueError(f"noise_std: no runs with noise_std = {noise_std}")
-    if not 0 < float(level) < 1:
-        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
-    ns = np.array([k[0] for k in vals])
-    ys = np.array(list(vals.values()))
-    fit = fit_power_law(ns, ys)
-    rng = np.random.default_rng(seed)
-    groups = {n: ys[ns == n] for n in np.unique(ns)}
-    slopes = []
-    for _ in range(n_boot):
-        xb, yb = [], []
-        for n, g in groups.items():
-            pick = g[rng.integers(0, len(g), len(g))]
-            xb.extend([n] * len(g))
-            yb.extend(pick)
-        slopes.append(fit_power_law(xb, yb).slope)
-    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
-    fit.ci = (float(lo), float(hi))
-    return fit
+    sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
+    if not sel:
+        raise ValueError(f"noise_std, renorm: no runs with noise_std = {noise_std}, renorm = {renorm!r}")
+    last = max(int(r["step"]) for r in sel)
+    st = last if step is None else int(step)
+    vals = values_by_n([r for r in sel if int(r["step"]) == st], "excess")
+    return fit_exponent(vals, stat=stat, level=level, n_min=n_min)
 
 
-def fit_optimisation_rate(rows, n: int, noise_std: float, *, start: int = 1, rtol: float = 1e-11) -> float:
-    """Geometric rate ``mu`` of the optimisation term at one ``n``, from the training objective.
+def spectral_constant(task: Task) -> float:
+    r"""Leading constant ``c`` of ``E[L(theta_0) - L*] ~ c / n`` for the spectral initialisation (regime (i)).
 
-    Averages the objective over seeds, takes the successive decrements
-    ``d_m = Q_m - Q_{m+1}`` from step ``start`` on (the first step is a fast
-    transient) and fits ``d_m ~ c mu^m``. A geometric sequence has geometric
-    decrements with the same ``mu``, so no estimate of the limit is needed. The
-    fit stops at the first decrement below ``rtol * |Q_m|`` (rounding level).
-    ``mu >= 1`` means the decrements do not shrink: no geometric convergence.
+    ``c = (||T||_*^2 + ||T||_F^2) / 2 + sigma^2 k d / 2``: the first part from
+    ``Sigmahat - Sigma`` (``Sigmahat = Sigma^{1/2} (I + Z) Sigma^{1/2}``, Wishart fluctuations
+    ``E Z_ij Z_kl = (delta_ik delta_jl + delta_il delta_jk) / n``, acting through ``At Z C`` at the
+    balanced minimum, where ``||At||_F^2 = ||C||_F^2 = ||T||_*``), the second from least squares.
     """
-    per_seed: Dict[int, Dict[int, float]] = {}
+    s = task.svd[1]
+    nuc, fro2 = float(s.sum()), float((s**2).sum())
+    return 0.5 * (nuc**2 + fro2) + 0.5 * task.noise_std**2 * task.k * task.d
+
+
+def lower_bound_constant(task: Task) -> float:
+    """``||T||_F^2 / d``: the asymptotic van Trees lower bound on ``n E[L(theta_hat) - L*]`` (regime (i)).
+
+    Any estimator built from one sequence of ``n`` tokens, on the scale family
+    ``Sigma = s Sigma_0``; see the book's chapter on the scaling law for the proof.
+    """
+    return float(torch.sum(task.T**2)) / task.d
+
+
+def van_trees_bound(task: Task, n: int, h: float = 0.5) -> float:
+    r"""Explicit regime-(i) lower bound on the Bayes risk over the scale family ``Sigma = s Sigma_task``.
+
+    Prior ``pi(s) = cos^2(pi (s - 1) / (2 h)) / h`` on ``[1 - h, 1 + h]`` (Fisher information
+    ``J(pi) = pi^2 / h^2``); for any estimator built from one sequence of ``n`` tokens,
+    ``int E_s[L_s - L*] pi(s) ds >= (a^3 ||T||_F^2 / 2) (E s^-2)^2 / (n d E[s^-2] / 2 + J)`` with
+    ``a = 1 - h``. Tends to ``||T||_F^2 / (n d)`` (:func:`lower_bound_constant`) as ``h -> 0`` slowly
+    while ``n -> inf``.
+    """
+    if not 0 < float(h) < 1:
+        raise ValueError(f"h: expected a half-width in (0, 1), got {h!r}")
+    u = np.linspace(-h, h, 20001)
+    prior = np.cos(np.pi * u / (2 * h)) ** 2 / h
+    w = prior * (u[1] - u[0])
+    e2 = float(np.sum(w / (1 + u) ** 2))
+    J = math.pi**2 / h**2
+    t2 = float(torch.sum(task.T**2))
+    return (1 - h) ** 3 * t2 / 2 * e2**2 / (n * task.d * e2 / 2 + J)
+
+
+def prompt_excess(rows, label: str) -> Dict[int, dict]:
+    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+    task = make_task(0.0)
+    k, d = task.k, task.d
+    by_n: Dict[int, list] = {}
     for r in rows:
-        if int(r["n"]) == int(n) and float(r["noise_std"]) == float(noise_std):
-            per_seed.setdefault(int(r["seed"]), {})[int(r["step"])] = r["objective"]
-    if not per_seed:
-        raise ValueError(f"n, noise_std: no runs with n = {n}, noise_std = {noise_std}")
-    start = int(start)
-    if start < 0:
-        raise ValueError(f"start: expected a step >= 0, got {start}")
-    steps = sorted(set.intersection(*[set(v) for v in per_seed.values()]))
-    steps = [s for s in steps if s >= start]
-    Q = np.mean([[v[s] for s in steps] for v in per_seed.values()], axis=0)
-    d = Q[:-1] - Q[1:]
-    ok = d > rtol * np.abs(Q[:-1])
-    stop = int(np.argmin(ok)) if not ok.all() else len(d)
-    if stop < 3:
-        raise ValueError("rows: fewer than three decreasing steps after `start`; run more steps")
-    return fit_geometric_rate(np.array(steps[:stop]), d[:stop])
+        if r["label"] == label:
+            by_n.setdefault(int(r["n"]), []).append(np.array([r[f"r{i}"] for i in range(k * d)]).reshape(k, d))
+    if not by_n:
+        raise ValueError(f"label: no chains with label {label!r}")
+    return {n: excess_ustat(Rs, task.Sigma) for n, Rs in sorted(by_n.items())}
+
+
+def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: float = 0.95) -> ExponentFit:
+    """Exponent of the regime-(ii) excess against ``n``: ``attnlib.stats.ustat_exponent`` of the
+    U-statistics over chains (relative errors pooled over ``n``, Student's t)."""
+    est = {
+        n: e
+        for n, e in prompt_excess(rows, label).items()
+        if (n_min is None or n >= n_min) and (n_max is None or n <= n_max)
+    }
+    ns = sorted(est)
+    return ustat_exponent(ns, [est[n] for n in ns], level=level)
+
+
+# ----------------------------------------------------------------------------- CLI
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m attnlib.experiments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("scaling", help="sweep n, noise and seeds; excess along the iterations")
-    s.add_argument("--out", required=True, help="CSV file (appended to; existing runs are skipped)")
-    s.add_argument("--quick", action="store_true", help="small grid for CI (n = 64, 256; 2 seeds; 8 steps)")
-    s.add_argument("--device", default="cpu", help="torch device (default cpu; 'cuda' where present)")
-    s.add_argument("--ns", type=int, nargs="+", help="override the sequence lengths")
-    s.add_argument("--seeds", type=int, help="override the number of seeds")
-    s.add_argument("--steps", type=int, help="override the number of steps")
-    s.add_argument("--no-progress", action="store_true")
+    p.add_argument("sweep", choices=sorted(SWEEPS), help="which sweep")
+    p.add_argument("--out", required=True, help="CSV file (appended to; finished runs are skipped)")
+    p.add_argument("--quick", action="store_true", help="the seconds-long variant (tests)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--workers", type=int, default=0, help="start a local Dask cluster with this many processes")
+    g.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port)")
+    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    if args.ns:
-        cfg = replace(cfg, ns=tuple(args.ns))
-    if args.seeds:
-        cfg = replace(cfg, seeds=tuple(range(check_positive_int(args.seeds, "--seeds"))))
-    if args.steps:
-        cfg = replace(cfg, steps=check_positive_int(args.steps, "--steps"))
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device: CUDA was requested but torch.cuda.is_available() is False")
-    info = run_scaling(cfg, args.out, device=args.device, progress=not args.no_progress)
-    print(f"{info['runs']} runs written, {info['skipped']} already present, wall time {info['wall_s']:.1f} s")
+    if args.workers < 0:
+        p.error("--workers: expected an integer >= 0")
+    info = run_sweep(
+        sweep(args.sweep, args.quick),
+        args.out,
+        workers=args.workers,
+        scheduler=args.scheduler,
+        progress=not args.no_progress,
+    )
+    print(
+        f"{info['runs']} runs written, {info['skipped']} already present, wall time {info['wall_s']:.1f} s, "
+        f"CPU time of the new runs {info['cpu_s']:.1f} s"
+    )
     return 0
 
 

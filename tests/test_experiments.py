@@ -1,104 +1,142 @@
-"""The experiment runner (quick mode, resume) and the fits on synthetic data with known answers."""
+"""The four sweeps (quick variants), their reproducibility, and the analysis helpers on known answers."""
 
-import csv
 import math
 
 import numpy as np
 import pytest
+import torch
 
 import attnlib as al
 from attnlib import experiments as ex
 
 
-def test_quick_scaling_run_writes_tidy_csv_and_resumes(tmp_path, capsys):
-    out = tmp_path / "quick.csv"
-    assert ex.main(["scaling", "--quick", "--out", str(out), "--no-progress"]) == 0
-    assert "8 runs written, 0 already present" in capsys.readouterr().out
-    rows = ex.read_rows(str(out))
-    cfg = ex.QUICK
-    assert len(rows) == len(cfg.ns) * len(cfg.noise_stds) * len(cfg.seeds) * (cfg.steps + 1)
-    assert set(rows[0]) == set(ex.COLUMNS)
-    for r in rows:
-        assert r["excess"] >= 0 and r["dist"] >= 0 and r["diverged"] == 0
-        if r["step"] in (0, cfg.steps):
-            assert r["test_loss"] > 0
-        else:
-            assert math.isnan(r["test_loss"])
-    # step 0 is the spectral initialisation
-    task = cfg.task(0.1)
-    X, Y = task.sample(64, seed=10_000 + 1)
-    r0 = [r for r in rows if r["n"] == 64 and r["noise_std"] == 0.1 and r["seed"] == 1 and r["step"] == 0][0]
-    assert r0["excess"] == pytest.approx(float(task.excess_risk(*al.spectral_init(X, Y))), rel=1e-12)
-    # resume: nothing new to do, nothing appended
-    assert ex.main(["scaling", "--quick", "--out", str(out), "--no-progress"]) == 0
-    assert "0 runs written, 8 already present" in capsys.readouterr().out
-    assert len(ex.read_rows(str(out))) == len(rows)
+@pytest.mark.parametrize("name", sorted(ex.SWEEPS))
+def test_quick_sweep_writes_tidy_csv_and_resumes(tmp_path, capsys, name):
+    out = tmp_path / f"{name}.csv"
+    assert ex.main([name, "--quick", "--out", str(out), "--no-progress"]) == 0
+    specs = ex.sweep(name, quick=True).specs
+    assert f"{len(specs)} runs written, 0 already present" in capsys.readouterr().out
+    rows = ex.load(str(out))
+    assert {r["run"] for r in rows} == {s["run"] for s in specs}
+    assert all(np.isfinite(r["cpu_s"]) and r["cpu_s"] >= 0 for r in rows)
+    assert ex.main([name, "--quick", "--out", str(out), "--no-progress"]) == 0
+    assert f"0 runs written, {len(specs)} already present" in capsys.readouterr().out
+    assert len(ex.load(str(out))) == len(rows)
 
 
-def test_resume_after_interruption(tmp_path):
-    out = tmp_path / "part.csv"
-    cfg = ex.ScalingConfig(ns=(64,), noise_stds=(0.0,), seeds=(0, 1, 2), steps=3)
-    part = ex.ScalingConfig(**{**cfg.__dict__, "seeds": (0,)})
-    ex.run_scaling(part, str(out), progress=False)
-    info = ex.run_scaling(cfg, str(out), progress=False)
-    assert info == {**info, "runs": 2, "skipped": 1}
-    seeds = sorted({r["seed"] for r in ex.read_rows(str(out))})
-    assert seeds == [0, 1, 2]
+def test_full_names_the_sweeps_task():
+    t = al.Task.random(ex.FULL.d, ex.FULL.k, cond=ex.FULL.cond, signal=ex.FULL.signal, seed=ex.FULL.task_seed)
+    assert torch.equal(t.T, ex.make_task().T)
 
 
-def _synthetic_rows(exponent, ns=(100, 300, 1000, 3000, 10000), seeds=5, noise=0.0, mu=0.8, steps=30, seed=0):
-    rng = np.random.default_rng(seed)
+def test_sequences_are_independent_across_n_noise_and_seed():
+    """No sequence is a prefix of another (the old design nested them)."""
+    t0, t1 = ex.make_task(0.0), ex.make_task(0.1)
+    a, _ = ex._sequence(t0, "regime-i", 32, 0)
+    b, _ = ex._sequence(t0, "regime-i", 64, 0)
+    c, _ = ex._sequence(t1, "regime-i", 32, 0)
+    d, _ = ex._sequence(t0, "regime-i", 32, 1)
+    assert not torch.allclose(a, b[:32]) and not torch.allclose(a, c) and not torch.allclose(a, d)
+
+
+def test_spectral_rows_are_what_the_library_computes():
+    rows = ex._run_spectral(dict(run="r", n=64, noise_std=0.1, seeds=3))
+    task = ex.make_task(0.1)
+    X, Y = ex._sequence(task, "regime-i", 64, 2)
+    assert rows[2]["excess"] == pytest.approx(float(task.excess_risk(*al.spectral_init(X, Y))), rel=1e-12)
+
+
+def test_trained_balance_rows_are_the_structured_algorithm():
+    spec = dict(run="r", renorm="balance", kappa="", noise_std=0.1, n=64, seed=1, steps=5, lr=0.5)
+    rows = ex._run_trained(spec)
+    task = ex.make_task(0.1)
+    X, Y = ex._sequence(task, "regime-i-trained", 64, 1)
+    h = al.train(X, Y, steps=5, lr=0.5, task=task)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 5]
+    assert rows[-1]["excess"] == pytest.approx(h.excess[-1], rel=1e-12)
+    assert math.isnan(rows[1]["test_loss"]) and rows[0]["test_loss"] > 0 and rows[-1]["test_loss"] > 0
+
+
+def test_rate_rows_measure_the_distance_to_the_last_iterates_orbit():
+    spec = dict(run="r", renorm="balance", kappa="", noise_std=0.1, n=32, seed=0, steps=10, lr=0.5)
+    rows = ex._run_rate(spec)
+    assert len(rows) == 11 and rows[-1]["orbit_dist"] < 1e-12 and rows[0]["orbit_dist"] > 0
+
+
+def test_spectral_constant_matches_a_monte_carlo_estimate():
+    """n E[excess of the spectral initialisation] -> (||T||_*^2 + ||T||_F^2)/2 + sigma^2 k d / 2."""
+    task = al.Task.random(3, 2, cond=3.0, signal=1.0, noise_std=0.3, seed=5)
+    n = 2048
+    vals = []
+    for s in range(300):
+        X, Y = task.sample(n, seed=s)
+        vals.append(float(task.excess_risk(*al.spectral_init(X, Y))))
+    vals = np.array(vals) * n
+    assert abs(vals.mean() - ex.spectral_constant(task)) < 3 * vals.std() / np.sqrt(len(vals)) + 0.03
+    assert ex.lower_bound_constant(task) < ex.spectral_constant(task)
+
+
+def test_van_trees_bound():
+    task = ex.make_task()
+    assert 0 < ex.van_trees_bound(task, 100) < ex.van_trees_bound(task, 10) < ex.lower_bound_constant(task) / 10
+    # h -> 0 slowly as n -> inf: n * bound -> ||T||_F^2 / d
+    n = 10**9
+    assert n * ex.van_trees_bound(task, n, h=0.02) == pytest.approx(ex.lower_bound_constant(task), rel=0.07)
+    with pytest.raises(ValueError, match="h"):
+        ex.van_trees_bound(task, 10, h=1.5)
+
+
+def test_values_by_n_and_fit_floor_on_known_rows():
+    rng = np.random.default_rng(0)
     rows = []
-    for n in ns:
-        for s in range(seeds):
-            floor = 3.0 * n**exponent * math.exp(0.1 * rng.standard_normal())
-            for m in range(steps + 1):
+    for n in (32, 64, 128, 256, 512):
+        for s in range(40):
+            v = 2.0 / n * rng.gamma(2.0, 0.5)
+            for st in (0, 80):
                 rows.append(
-                    {
-                        "n": n,
-                        "noise_std": noise,
-                        "seed": s,
-                        "step": m,
-                        "excess": floor + mu**m,
-                        "dist": 0.0,
-                        "objective": 1.0 + 0.5 * mu**m,
-                        "time_s": 0.0,
-                        "test_loss": float("nan"),
-                        "diverged": 0,
-                    }
+                    dict(
+                        renorm="balance",
+                        noise_std=0.1,
+                        n=float(n),
+                        seed=float(s),
+                        step=float(st),
+                        excess=v * (1 if st == 0 else 3),
+                    )
                 )
-    return rows
-
-
-@pytest.mark.parametrize("exponent", [-1.0, -2.0])
-def test_fit_floor_recovers_the_exponent(exponent):
-    rows = _synthetic_rows(exponent, steps=150)
-    fit = ex.fit_floor(rows, 0.0, n_boot=300)
-    assert fit.slope == pytest.approx(exponent, abs=0.05)
-    assert fit.ci[0] < exponent < fit.ci[1]
+    v = ex.values_by_n(rows, "excess", step=80)
+    assert sorted(v) == [32, 64, 128, 256, 512] and len(v[32]) == 40
+    f = ex.fit_floor(rows, 0.1)
+    assert f.covers(-1.0) and abs(f.slope + 1) < 0.1
+    f0 = ex.fit_floor(rows, 0.1, step=0, stat="median")
+    assert f0.intercept == pytest.approx(f.intercept - math.log(3), abs=0.2)
     with pytest.raises(ValueError, match="noise_std"):
         ex.fit_floor(rows, 0.5)
+    with pytest.raises(ValueError, match="where"):
+        ex.values_by_n(rows, "excess", step=7)
 
 
-def test_fit_optimisation_rate_recovers_mu():
-    rows = _synthetic_rows(-1.0, mu=0.8, steps=150)
-    assert ex.fit_optimisation_rate(rows, 1000, 0.0) == pytest.approx(0.8, rel=1e-3)
-    with pytest.raises(ValueError, match="n, noise_std"):
-        ex.fit_optimisation_rate(rows, 7, 0.0)
+def test_prompt_excess_and_exponent_on_synthetic_chains():
+    task = ex.make_task()
+    rng = np.random.default_rng(1)
+    R0 = rng.standard_normal((task.k, task.d))
+    rows = []
+    for n in (16, 32, 64, 128):
+        for c in range(6):
+            R = R0 * 10 / n + 0.01 * np.linalg.norm(R0) * 10 / n * rng.standard_normal(R0.shape)
+            rows.append(dict(label="x", n=float(n), chain=float(c), **{f"r{i}": v for i, v in enumerate(R.ravel())}))
+    est = ex.prompt_excess(rows, "x")
+    truth = 0.5 * float(np.trace(R0 @ task.Sigma.numpy() @ R0.T)) * 100 / 16**2
+    assert est[16]["excess"] == pytest.approx(truth, rel=0.05) and est[16]["K"] == 6
+    f = ex.fit_prompt_exponent(rows, "x")
+    assert abs(f.slope + 2) < 0.02
+    with pytest.raises(ValueError, match="label"):
+        ex.prompt_excess(rows, "y")
 
 
-def test_read_rows_rejects_other_csv(tmp_path):
-    p = tmp_path / "other.csv"
-    with open(p, "w", newline="") as fh:
-        csv.writer(fh).writerows([["a", "b"], [1, 2]])
-    with pytest.raises(ValueError, match="not a scaling CSV"):
-        ex.read_rows(str(p))
-
-
-def test_cuda_flag_without_cuda(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the flag is valid here")
+def test_cli_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
-        ex.main(["scaling", "--quick", "--out", str(tmp_path / "x.csv"), "--device", "cuda"])
+        ex.main(["nope", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(SystemExit):
+        ex.main(["spectral", "--out", str(tmp_path / "x.csv"), "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="name"):
+        ex.sweep("nope")

@@ -1,0 +1,289 @@
+"""A resumable sweep runner that fans runs out over Dask (``distributed``); only the driver writes.
+
+A :class:`Sweep` is a list of run specifications (plain dicts, each with a unique ``"run"``
+id) and a module-level function ``func(spec) -> list of row dicts``. :func:`run_sweep`
+
+* reads the output CSV, keeps every *complete* run exactly once (each row carries its run id
+  and the number of rows of its run, ``nrows``), drops a torn last line or a partial run left by
+  a crash, and rewrites the file atomically if it had to drop anything;
+* submits the missing runs (largest ``cost`` first) to a Dask cluster: ``workers=N`` starts a
+  local cluster of ``N`` single-threaded worker processes that listen on loopback only (their
+  HTTP endpoints too, on free ports), ``scheduler=ADDRESS``
+  connects to an existing one, ``client=`` uses a given ``distributed.Client``, and
+  ``workers=0`` runs in this process without Dask;
+* appends each finished run's rows in one write, flushed and fsynced, as results arrive. A
+  worker that dies has its runs rescheduled by Dask; a driver that dies loses only the runs not
+  yet written, and the next call computes exactly those.
+
+Rows are tidy: the spec's fields, then the function's columns, then ``run``, ``nrows``,
+``cpu_s`` and ``wall_s`` (process CPU time and wall time of the run on its worker).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+__all__ = ["Sweep", "run_sweep", "read_sweep", "clean_sweep_file", "execute_run", "BOOKKEEPING"]
+
+#: Columns the runner adds to every row.
+BOOKKEEPING = ("run", "nrows", "cpu_s", "wall_s")
+
+
+@dataclass
+class Sweep:
+    """A named set of runs.
+
+    ``specs``: one dict per run, JSON-like values, each with a unique ``"run"`` id; optional
+    ``"cost"`` (relative, for scheduling; not written). ``func``: a module-level function (so
+    that workers can import it) mapping a spec to a non-empty list of row dicts with keys
+    ``columns``. ``spec_columns``: the spec fields written to every row.
+    """
+
+    name: str
+    func: Callable[[dict], List[dict]]
+    specs: List[dict]
+    spec_columns: Sequence[str]
+    columns: Sequence[str]
+    meta: Dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        ids = [s.get("run") for s in self.specs]
+        if any(not isinstance(i, str) or not i for i in ids):
+            raise ValueError("specs: every spec needs a non-empty string 'run' id")
+        if len(set(ids)) != len(ids):
+            raise ValueError("specs: run ids must be unique")
+        clash = set(self.spec_columns) & set(self.columns)
+        if clash or set(BOOKKEEPING) & (set(self.spec_columns) | set(self.columns)):
+            raise ValueError(f"columns: names must be unique and not in {BOOKKEEPING}, clash {sorted(clash)}")
+
+    @property
+    def header(self) -> List[str]:
+        return list(self.spec_columns) + list(self.columns) + list(BOOKKEEPING)
+
+
+def execute_run(func: Callable[[dict], List[dict]], spec: dict) -> List[dict]:
+    """Run one spec and attach the bookkeeping columns (executed on the worker)."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    rows = func(spec)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    if not rows:
+        raise ValueError(f"func: run {spec['run']!r} returned no rows")
+    return [dict(r, run=spec["run"], nrows=len(rows), cpu_s=cpu, wall_s=wall) for r in rows]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def _parse_blocks(path: str, header: Optional[List[str]]):
+    """Complete runs of a sweep CSV, in file order, plus whether anything had to be dropped."""
+    with open(path, newline="") as fh:
+        text = fh.read()
+    dropped = False
+    if text and not text.endswith("\n"):  # torn last line
+        text = text[: text.rfind("\n") + 1]
+        dropped = True
+    reader = csv.reader(io.StringIO(text))
+    try:
+        file_header = next(reader)
+    except StopIteration:
+        return None, {}, [], dropped or bool(text)
+    if header is not None and file_header != header:
+        raise ValueError(f"out: {path} has columns {file_header}, expected {header} (another sweep's file?)")
+    i_run, i_n = file_header.index("run"), file_header.index("nrows")
+    blocks: Dict[str, List[List[str]]] = {}
+    order: List[str] = []
+    current, cur_rows = None, []
+
+    def close():
+        nonlocal dropped
+        if current is None:
+            return
+        want = int(cur_rows[0][i_n])
+        if len(cur_rows) == want and current not in blocks:
+            blocks[current] = cur_rows
+            order.append(current)
+        else:
+            dropped = True
+
+    for row in reader:
+        if len(row) != len(file_header):
+            dropped = True
+            continue
+        if row[i_run] != current:
+            close()
+            current, cur_rows = row[i_run], []
+        cur_rows.append(row)
+    close()
+    return file_header, blocks, order, dropped
+
+
+def clean_sweep_file(path: str, header: Optional[List[str]] = None) -> Dict[str, int]:
+    """Drop torn lines, partial runs and repeated runs from a sweep CSV (atomic rewrite).
+
+    Returns ``{"runs": complete runs kept, "rewritten": 0 or 1}``.
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return {"runs": 0, "rewritten": 0}
+    file_header, blocks, order, dropped = _parse_blocks(path, header)
+    if not dropped:
+        return {"runs": len(order), "rewritten": 0}
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        if file_header is not None:
+            w.writerow(file_header)
+            for r in order:
+                w.writerows(blocks[r])
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return {"runs": len(order), "rewritten": 1}
+
+
+def read_sweep(path: str) -> List[Dict[str, object]]:
+    """Rows of the complete runs of a sweep CSV as dicts (numbers as float, ``run`` as str)."""
+    if not os.path.exists(path):
+        raise ValueError(f"path: {path} does not exist")
+    file_header, blocks, order, _ = _parse_blocks(path, None)
+    if file_header is None or "run" not in file_header:
+        raise ValueError(f"path: {path} is not a sweep CSV")
+    out = []
+    for r in order:
+        for row in blocks[r]:
+            d = {}
+            for k, v in zip(file_header, row):
+                if k == "run":
+                    d[k] = v
+                    continue
+                try:
+                    d[k] = float(v) if v != "" else math.nan
+                except ValueError:
+                    d[k] = v
+            out.append(d)
+    return out
+
+
+def _write_block(fh, header, rows) -> None:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    for r in rows:
+        w.writerow([_fmt(r.get(c, "")) for c in header])
+    fh.write(buf.getvalue())
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: str,
+    *,
+    workers: int = 0,
+    scheduler: Optional[str] = None,
+    client=None,
+    progress: bool = True,
+    max_runs: Optional[int] = None,
+    on_result: Optional[Callable[[dict, List[dict]], None]] = None,
+) -> Dict[str, float]:
+    """Run (or resume) ``sweep``, appending to the CSV ``out``; see the module docstring.
+
+    ``max_runs`` stops after writing that many new runs (the rest stay for a later call);
+    ``on_result(spec, rows)`` is called after each run is written (tests use it to kill a
+    worker mid-sweep). Returns ``{"runs": written, "skipped": already present, "wall_s": s,
+    "cpu_s": summed CPU time of the new runs}``.
+    """
+    if not isinstance(sweep, Sweep):
+        raise ValueError(f"sweep: expected an attnlib.runner.Sweep, got {type(sweep).__name__}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers: expected an integer >= 0, got {workers!r}")
+    if sum(x is not None and x is not False for x in (scheduler, client)) + (workers > 0) > 1:
+        raise ValueError("workers, scheduler, client: give at most one way to reach a cluster")
+    header = sweep.header
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    if os.path.exists(out) and os.path.getsize(out) > 0:
+        clean_sweep_file(out, header)
+        _, blocks, _, _ = _parse_blocks(out, header)
+        done = set(blocks)
+    else:
+        done = set()
+        with open(out, "w", newline="") as fh:
+            csv.writer(fh).writerow(header)
+    todo = [s for s in sweep.specs if s["run"] not in done]
+    todo.sort(key=lambda s: -float(s.get("cost", 0.0)))
+    if max_runs is not None:
+        max_runs = int(max_runs)
+    t0 = time.perf_counter()
+    written, cpu = 0, 0.0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=sweep.name)
+
+    def emit(fh, spec, rows):
+        nonlocal written, cpu
+        _write_block(fh, header, [{**{c: spec.get(c, "") for c in sweep.spec_columns}, **r} for r in rows])
+        written += 1
+        cpu += float(rows[0]["cpu_s"])
+        if bar is not None:
+            bar.update(1)
+        if on_result is not None:
+            on_result(spec, rows)
+
+    with open(out, "a", newline="") as fh:
+        if workers == 0 and scheduler is None and client is None:
+            for spec in todo:
+                if max_runs is not None and written >= max_runs:
+                    break
+                emit(fh, spec, execute_run(sweep.func, spec))
+        else:
+            from distributed import Client, LocalCluster, as_completed
+
+            cluster = own_client = None
+            try:
+                if client is None:
+                    if scheduler is not None:
+                        own_client = Client(scheduler)
+                    else:
+                        cluster = LocalCluster(
+                            n_workers=workers,
+                            threads_per_worker=1,
+                            processes=True,
+                            host="127.0.0.1",
+                            dashboard_address="127.0.0.1:0",
+                            worker_dashboard_address="127.0.0.1:0",
+                        )
+                        own_client = Client(cluster)
+                    client = own_client
+                by_key = {}
+                futures = []
+                for spec in todo:
+                    fut = client.submit(execute_run, sweep.func, spec, key=f"{sweep.name}-{spec['run']}", pure=False)
+                    by_key[fut.key] = spec
+                    futures.append(fut)
+                ac = as_completed(futures)
+                for fut in ac:
+                    if max_runs is not None and written >= max_runs:
+                        break
+                    emit(fh, by_key[fut.key], fut.result())
+                for fut in futures:
+                    fut.cancel()
+            finally:
+                if own_client is not None:
+                    own_client.close()
+                if cluster is not None:
+                    cluster.close()
+    if bar is not None:
+        bar.close()
+    return {"runs": written, "skipped": len(done), "wall_s": time.perf_counter() - t0, "cpu_s": cpu}

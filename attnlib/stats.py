@@ -1,0 +1,261 @@
+r"""Exponents with confidence intervals whose coverage is checked by simulation.
+
+The scaling experiments estimate, at each ``n`` of a grid, a positive quantity (the mean or the
+median over independent seeds of an excess; or a U-statistic over independent chains) with a
+standard error, and fit ``log value = a + b log n``. :func:`wls_exponent` is that fit, weighted
+by the inverse variances of the per-``n`` log-estimates; its interval is
+
+.. math:: b \pm q_{\mathrm{level}}\;\mathrm{se}(b)\,\max\!\big(1, \sqrt{\chi^2 / (m - 2)}\big),
+
+the Birge ratio ``sqrt(chi^2 / dof)`` inflating the interval when the points scatter around the
+line more than their standard errors allow (a curved log-log plot, or underestimated errors).
+Per-``n`` summaries: :func:`summarize` (mean: delta method on the log; median: the
+distribution-free quantile interval). :func:`local_slopes` gives the slope between
+neighbouring ``n`` with its standard error. :func:`coverage` runs a simulation of a design and
+reports how often the interval contains the true exponent; the tests call it with the sweeps'
+designs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Callable, Dict, Sequence
+
+import numpy as np
+
+__all__ = [
+    "ExponentFit",
+    "summarize",
+    "wls_exponent",
+    "fit_exponent",
+    "ustat_exponent",
+    "local_slopes",
+    "t_quantile",
+    "coverage",
+]
+
+
+def t_quantile(p: float, dof: float) -> float:
+    """Quantile ``p`` of Student's t with ``dof`` degrees of freedom (Cornish-Fisher expansion).
+
+    Exact for ``dof = inf`` (the normal quantile); relative error below 1e-3 for ``dof >= 3``
+    and central ``p`` (0.8 .. 0.995).
+    """
+    if not 0 < p < 1:
+        raise ValueError(f"p: expected a probability in (0, 1), got {p!r}")
+    if not dof > 0:
+        raise ValueError(f"dof: expected a positive number, got {dof!r}")
+    z = NormalDist().inv_cdf(p)
+    if math.isinf(dof):
+        return z
+    v = float(dof)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / v + g2 / v**2 + g3 / v**3 + g4 / v**4
+
+
+@dataclass
+class ExponentFit:
+    """``value ~ exp(intercept) n^slope``: the slope, its standard error (already inflated by
+    ``inflation``), the interval ``ci`` at ``level``, the fit's ``chi2`` on ``dof`` degrees of
+    freedom, and the points it was fitted to (``ns``, ``values``, ``se_log``)."""
+
+    slope: float
+    intercept: float
+    se: float
+    ci: tuple
+    level: float
+    chi2: float
+    dof: int
+    inflation: float
+    ns: np.ndarray = field(repr=False)
+    values: np.ndarray = field(repr=False)
+    se_log: np.ndarray = field(repr=False)
+
+    def __call__(self, n):
+        return np.exp(self.intercept) * np.asarray(n, dtype=float) ** self.slope
+
+    def covers(self, b: float) -> bool:
+        """Whether the interval contains ``b``."""
+        return self.ci[0] <= b <= self.ci[1]
+
+
+def _check_level(level) -> float:
+    level = float(level)
+    if not 0 < level < 1:
+        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
+    return level
+
+
+def summarize(values, stat: str = "mean") -> tuple:
+    """Per-``n`` estimate and standard error of its natural log from independent positive draws.
+
+    ``stat="mean"``: the sample mean, ``se_log = sd / (sqrt(S) mean)`` (delta method).
+    ``stat="median"``: the sample median, ``se_log`` = half the log-width of the
+    distribution-free interval of the median at 95% (the sample quantiles at
+    ``1/2 -+ 1.96 / (2 sqrt(S))``, interpolated), divided by 1.96.
+    Returns ``(estimate, se_log)``; needs ``S >= 3`` values.
+    """
+    v = np.asarray(values, dtype=float).ravel()
+    if v.size < 3:
+        raise ValueError(f"values: need at least 3 independent values, got {v.size}")
+    if not np.all(np.isfinite(v)) or np.any(v <= 0):
+        raise ValueError("values: expected positive finite numbers")
+    S = v.size
+    if stat == "mean":
+        m = float(v.mean())
+        return m, float(v.std(ddof=1) / (math.sqrt(S) * m))
+    if stat == "median":
+        z = NormalDist().inv_cdf(0.975)
+        h = min(0.5, z / (2 * math.sqrt(S)))
+        lo, hi = np.quantile(v, [0.5 - h, 0.5 + h])
+        med = float(np.median(v))
+        return med, float((math.log(hi) - math.log(lo)) / (2 * z))
+    raise ValueError(f"stat: expected 'mean' or 'median', got {stat!r}")
+
+
+def wls_exponent(
+    ns, values, se_log, *, level: float = 0.95, inflate: bool = True, pool_se: bool = False, dof_t=None
+) -> ExponentFit:
+    """Weighted least squares of ``log values`` on ``log ns`` with weights ``1 / se_log^2``.
+
+    The interval uses the normal quantile (or Student's t with ``dof_t`` degrees of freedom)
+    times the slope's standard error, inflated by the Birge ratio when ``inflate`` and
+    ``chi2 > dof``. ``pool_se`` replaces every ``se_log`` by their root-mean-square first
+    (equal weights): per-point errors estimated from few independent units (a median's
+    quantiles, a jackknife over a handful of chains) are noisy, and noisy weights make a
+    weighted fit overconfident (the coverage tests show it); ``dof_t`` then accounts for the
+    uncertainty of the pooled error. Needs at least three points.
+    """
+    level = _check_level(level)
+    x = np.log(np.asarray(ns, dtype=float).ravel())
+    y = np.asarray(values, dtype=float).ravel()
+    s = np.asarray(se_log, dtype=float).ravel()
+    if not (x.size == y.size == s.size) or x.size < 3:
+        raise ValueError("ns, values, se_log: expected three sequences of the same length >= 3")
+    if np.any(y <= 0) or not np.all(np.isfinite(y)):
+        raise ValueError("values: a fit on log scales needs positive finite values")
+    if np.any(s <= 0) or not np.all(np.isfinite(s)):
+        raise ValueError("se_log: expected positive finite standard errors")
+    if pool_se:
+        s = np.full_like(s, math.sqrt(np.mean(s**2)))
+    ly = np.log(y)
+    w = 1.0 / s**2
+    xm = np.sum(w * x) / np.sum(w)
+    ym = np.sum(w * ly) / np.sum(w)
+    sxx = np.sum(w * (x - xm) ** 2)
+    slope = float(np.sum(w * (x - xm) * (ly - ym)) / sxx)
+    icpt = float(ym - slope * xm)
+    chi2 = float(np.sum(w * (ly - icpt - slope * x) ** 2))
+    dof = x.size - 2
+    infl = max(1.0, math.sqrt(chi2 / dof)) if inflate else 1.0
+    se = infl / math.sqrt(sxx)
+    q = t_quantile(0.5 + level / 2, dof_t) if dof_t is not None else NormalDist().inv_cdf(0.5 + level / 2)
+    return ExponentFit(
+        slope,
+        icpt,
+        float(se),
+        (slope - q * se, slope + q * se),
+        level,
+        chi2,
+        dof,
+        infl,
+        np.exp(x),
+        y,
+        s,
+    )
+
+
+def fit_exponent(
+    values_by_n: Dict[float, Sequence[float]],
+    *,
+    stat: str = "mean",
+    level: float = 0.95,
+    n_min=None,
+    n_max=None,
+    pool_se=None,
+) -> ExponentFit:
+    """:func:`summarize` each ``n``'s independent values, then :func:`wls_exponent` over ``n_min <= n <= n_max``.
+
+    ``pool_se`` (default: on for the median) replaces every point's ``se_log`` by their
+    root-mean-square: the quantile-interval errors are noisy, and noisy weights make a weighted
+    fit overconfident; when the values at different ``n`` differ by a scale factor (the model
+    being fitted) their log-spread is the same, so pooling loses nothing.
+    """
+    keys = sorted(float(k) for k in values_by_n)
+    keys = [k for k in keys if (n_min is None or k >= n_min) and (n_max is None or k <= n_max)]
+    if len(keys) < 3:
+        raise ValueError(f"values_by_n: need at least three values of n in range, got {len(keys)}")
+    lookup = {float(k): v for k, v in values_by_n.items()}
+    est = [summarize(lookup[k], stat) for k in keys]
+    if pool_se is None:
+        pool_se = stat == "median"
+    return wls_exponent(keys, [e[0] for e in est], [e[1] for e in est], level=level, pool_se=pool_se)
+
+
+def ustat_exponent(ns, estimates: Sequence[dict], *, level: float = 0.95) -> ExponentFit:
+    """Exponent from per-``n`` U-statistics over independent chains (dicts of
+    :func:`attnlib.prompts.excess_ustat`: ``excess``, ``se``, ``K``).
+
+    Weighted log-log fit with the jackknife relative errors pooled over ``n``
+    (``pool_se=True``) and Student's t with ``m (K - 1)`` degrees of freedom for the pooled
+    error (``m`` points, ``K`` chains each), as the coverage tests require.
+    """
+    est = list(estimates)
+    if len(est) != len(list(ns)):
+        raise ValueError("estimates: expected one estimate per n")
+    if any(e["excess"] <= 0 for e in est):
+        raise ValueError("estimates: a U-statistic is not positive; more chains are needed")
+    K = min(int(e["K"]) for e in est)
+    return wls_exponent(
+        ns,
+        [e["excess"] for e in est],
+        [e["se"] / e["excess"] for e in est],
+        level=level,
+        pool_se=True,
+        dof_t=len(est) * (K - 1),
+    )
+
+
+def local_slopes(ns, values, se_log) -> np.ndarray:
+    """Slopes between neighbouring points on log-log scales with their standard errors.
+
+    Returns an array of rows ``(n_geometric_mean, slope, se)`` (independent estimates at
+    different ``n``).
+    """
+    x = np.log(np.asarray(ns, dtype=float).ravel())
+    y = np.log(np.asarray(values, dtype=float).ravel())
+    s = np.asarray(se_log, dtype=float).ravel()
+    if not (x.size == y.size == s.size) or x.size < 2:
+        raise ValueError("ns, values, se_log: expected three sequences of the same length >= 2")
+    dx = np.diff(x)
+    return np.column_stack([np.exp(x[:-1] + dx / 2), np.diff(y) / dx, np.sqrt(s[1:] ** 2 + s[:-1] ** 2) / dx])
+
+
+def coverage(
+    simulate: Callable[[np.random.Generator], ExponentFit], truth: float, reps: int = 400, seed: int = 0
+) -> Dict[str, float]:
+    """Fraction of ``reps`` simulated fits whose interval contains ``truth``.
+
+    ``simulate(rng)`` draws one data set of the design from ``rng`` and returns its fit.
+    Returns ``{"coverage", "reps", "mean_slope", "mean_halfwidth"}``.
+    """
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps: expected a positive integer, got {reps!r}")
+    rng = np.random.default_rng(seed)
+    hits, slopes, widths = 0, [], []
+    for _ in range(reps):
+        f = simulate(rng)
+        hits += f.covers(truth)
+        slopes.append(f.slope)
+        widths.append(0.5 * (f.ci[1] - f.ci[0]))
+    return {
+        "coverage": hits / reps,
+        "reps": reps,
+        "mean_slope": float(np.mean(slopes)),
+        "mean_halfwidth": float(np.mean(widths)),
+    }
