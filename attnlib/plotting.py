@@ -12,6 +12,8 @@ Not imported by ``import attnlib`` (it loads matplotlib); use
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping, Sequence
 
 import matplotlib as mpl
@@ -101,6 +103,7 @@ def table(
     formats: Mapping[str, str] | str | None = None,
     caption: str | None = None,
     columns: Sequence[str] | None = None,
+    name: str | None = None,
 ):
     """A styled table for the book: ``data`` is a pandas DataFrame, a list of dicts or a dict of columns.
 
@@ -108,6 +111,11 @@ def table(
     for all numeric columns. The index is hidden; the table gets the CSS class
     ``attnlib-table`` (the book's stylesheet makes it scroll inside its box on
     narrow screens).
+
+    The rendered HTML is deterministic: the element ids come from ``name``
+    (letters, digits, ``-`` and ``_``) or, without it, from a hash of the
+    caption and the column names, so a notebook cell that shows the table can
+    carry the ``nbval-check-output`` tag (pandas' default ids are random).
     """
     import pandas as pd
 
@@ -119,7 +127,12 @@ def table(
         df = df[list(columns)]
     if isinstance(formats, str):
         formats = {c: formats for c in df.columns if pd.api.types.is_float_dtype(df[c])}
-    sty = df.style.hide(axis="index").set_table_attributes('class="attnlib-table"')
+    if name is None:
+        key = repr((caption, [str(c) for c in df.columns])).encode()
+        name = hashlib.sha1(key).hexdigest()[:10]
+    elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
+        raise ValueError(f"name: expected letters, digits, '-' or '_' only, got {name!r}")
+    sty = df.style.hide(axis="index").set_table_attributes('class="attnlib-table"').set_uuid(str(name))
     if formats:
         sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-")
     if caption:

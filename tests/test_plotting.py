@@ -53,3 +53,14 @@ def test_table_formats_and_scrolls():
     assert 'class="attnlib-table"' in html and "0.0123" in html and "0.0123456" not in html and "demo" in html
     with pytest.raises(ValueError, match="columns"):
         ap.table({"n": [1]}, columns=["m"])
+
+
+def test_table_html_is_deterministic():
+    rows = [{"n": 16, "excess": 0.0123456}]
+    a = ap.table(rows, formats="{:.3g}", caption="same").to_html()
+    b = ap.table(rows, formats="{:.3g}", caption="same").to_html()
+    assert a == b
+    assert ap.table(rows, caption="other").to_html() != a
+    assert "T_fixed-id" in ap.table(rows, name="fixed-id").to_html()
+    with pytest.raises(ValueError, match="name"):
+        ap.table(rows, name="bad id")
