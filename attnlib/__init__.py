@@ -3,8 +3,8 @@
 Softmax self-attention trained on linear regression: the finite-n layer and
 its infinite-data limit, the closed-form population loss, its
 matrix-factorization geometry, and structure-aware gradient descent
-(spectral initialisation, balancing regularizer, covariance preconditioner,
-renormalisation). Every function validates its inputs and raises
+(spectral initialization, balancing regularizer, covariance preconditioner,
+renormalization). Every function validates its inputs and raises
 ``ValueError`` naming the offending argument.
 
 Convention: parameters first, then data or task (``attention(A, B, X)``,

@@ -102,7 +102,7 @@ def check_spd(S, name: str = "Sigma", *, dtype=None, device=None) -> torch.Tenso
     """Validate a symmetric positive definite matrix.
 
     Symmetry is checked to a relative tolerance of ``1e-6`` (float32:
-    ``1e-4``); the result is exactly symmetrised. Positive definiteness is
+    ``1e-4``); the result is exactly symmetrized. Positive definiteness is
     checked via the smallest eigenvalue.
     """
     S = check_matrix(S, name, (None, None), dtype=dtype, device=device)

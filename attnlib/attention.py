@@ -69,7 +69,7 @@ def attention(A, B, X, queries=None) -> torch.Tensor:
 
 
 def attention_weights(B, X, queries=None) -> torch.Tensor:
-    """The (m, n) matrix of weights ``pi_ij = softmax_j(q_i^T B x_j)`` (materialised; for pictures and tests)."""
+    """The (m, n) matrix of weights ``pi_ij = softmax_j(q_i^T B x_j)`` (materialized; for pictures and tests)."""
     X, _ = check_samples(X)
     d = X.shape[1]
     X, _, B, Q = _check_layer(torch.zeros(1, d, dtype=X.dtype, device=X.device), B, X, queries)

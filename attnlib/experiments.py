@@ -11,23 +11,23 @@ cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, defaul
 
 Regime (i), ``n`` = the number of tokens of the one training sequence:
 
-* ``spectral``: the spectral initialisation's population excess (and ``dist_P``), 400 independent
+* ``spectral``: the spectral initialization's population excess (and ``dist_P``), 400 independent
   sequences per ``n`` (16 .. 16384) and noise level (0, 0.1); every ``(n, noise, seed)`` has its
   own stream, so no sequence is a prefix of another;
-* ``trained``: Algorithm 1 for 80 steps (step 0.5) with the balancing renormalisation (exactly
+* ``trained``: Algorithm 1 for 80 steps (step 0.5) with the balancing renormalization (exactly
   ``attnlib.train(method="structured")``) and with the capped one of ``attnlib.renorm``
   (``kappa = 0.25``), noise 0 and 0.1 on independent sequences, 40 seeds per ``n`` (32 .. 1024);
-  rows at steps 0 (spectral initialisation), 1, 2, 3, 5, 10, 20, 40, 60, 80; test loss on fresh
+  rows at steps 0 (spectral initialization), 1, 2, 3, 5, 10, 20, 40, 60, 80; test loss on fresh
   sequences of length ``n`` at steps 0 and 80;
-* ``rate``: 300 steps recorded at every step (4 seeds, ``n`` = 128, 512, 1024, both renormalisations,
+* ``rate``: 300 steps recorded at every step (4 seeds, ``n`` = 128, 512, 1024, both renormalizations,
   noise 0.1), with ``orbit_dist`` the P-distance (in the
-  coordinates of ``Sigmahat``) to the orbit of the last iterate: the optimisation rate on
+  coordinates of ``Sigmahat``) to the orbit of the last iterate: the optimization rate on
   orbit-invariant quantities.
 
 Regime (ii), ``n`` = context length, infinitely many prompts:
 
 * ``prompts``: ``attnlib.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
-  last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalisations ``cap`` 0.25,
+  last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalizations ``cap`` 0.25,
   ``fix`` 0.375, ``fix`` 0.7 and ``balance``, which gives ``s_1(T) = 0.94`` for this task), 6
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
   from which :func:`prompt_excess` forms the unbiased U-statistic.
@@ -399,7 +399,7 @@ def fit_floor(
     """Exponent of the regime-(i) excess against ``n`` over independent seeds (rows of the ``trained`` sweep).
 
     ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
-    initialisation). ``stat``: fit the per-``n`` mean or median (``attnlib.stats.fit_exponent``).
+    initialization). ``stat``: fit the per-``n`` mean or median (``attnlib.stats.fit_exponent``).
     """
     sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
     if not sel:
@@ -411,7 +411,7 @@ def fit_floor(
 
 
 def spectral_constant(task: Task) -> float:
-    r"""Leading constant ``c`` of ``E[L(theta_0) - L*] ~ c / n`` for the spectral initialisation (regime (i)).
+    r"""Leading constant ``c`` of ``E[L(theta_0) - L*] ~ c / n`` for the spectral initialization (regime (i)).
 
     ``c = (||T||_*^2 + ||T||_F^2) / 2 + sigma^2 k d / 2``: the first part from
     ``Sigmahat - Sigma`` (``Sigmahat = Sigma^{1/2} (I + Z) Sigma^{1/2}``, Wishart fluctuations

@@ -1,6 +1,6 @@
 r"""The finite-n layer around its infinite-data limit: diagnostics and measurements.
 
-The softmax average over ``n`` tokens is a self-normalised importance-sampling
+The softmax average over ``n`` tokens is a self-normalized importance-sampling
 estimate of the tilted mean ``Sigma a`` (``a = B^T q``) with weights
 ``w = exp(a^T x)``. This module holds what the book measures about it: the
 effective sample size, the delta-method prediction of the error for a fixed
@@ -212,7 +212,7 @@ def averaged_error_exponent(A, B, Sigma: SigmaLike) -> Tuple[float, float]:
     and ``slow = -min(1, 1/(2 lam))``; both are -1 below the threshold 1/2, where the
     averaged constant is finite. Above it, a query of softmax exponent ``u = a^T Sigma a``
     (tail ``P(u > t) ~ exp(-t / (2 lam))``) has error ``kappa(q)/n ~ e^u/n`` once its weights'
-    second moment is realised, ``n >> e^{2u}``; the queries with ``u < log(n)/2`` alone
+    second moment is realized, ``n >> e^{2u}``; the queries with ``u < log(n)/2`` alone
     contribute ``n^{-1/2 - 1/(4 lam)}`` (the fast end). If every query had error at most
     ``min(kappa(q)/n, O(u))``, the average would be ``n^{-1/(2 lam)}`` (the slow end).
     Both up to powers of ``log n``.
@@ -368,7 +368,7 @@ def self_token_term(
     * ``"with_self"`` (n_seeds, m): ``||f(x; X' + {x}) - A Sigma B^T x||^2``;
     * ``"without_self"`` (n_seeds, m): ``||f(x; X') - A Sigma B^T x||^2``;
     * ``"deviation"`` (n_seeds, m, k): ``f(x; X') - A Sigma B^T x`` (its mean is the
-      self-normalisation bias of an independent query on ``n - 1`` tokens).
+      self-normalization bias of an independent query on ``n - 1`` tokens).
 
     :func:`self_token_prediction` gives the leading orders of their means.
     """
@@ -420,7 +420,7 @@ def self_token_prediction(A, B, Sigma: SigmaLike, queries) -> Dict[str, torch.Te
     * ``"weight"``: ``p`` (m,);
     * ``"shift"``: ``p r`` (m, k), the limit of ``n (f(x; X) - f(x; X_{-x}))``;
     * ``"bias"``: ``-exp(s) A Sigma a`` (m, k), the limit of ``n (E f(q; X) - A Sigma B^T q)``
-      for a query that is not a token (the self-normalisation bias);
+      for a query that is not a token (the self-normalization bias);
     * ``"mse"``: the limit of ``n^2 (E||f(x; X) - lim||^2 - E||f(x; X_{-x}) - lim||^2)``,
       ``p^2 ||r||^2 - 2 p exp(s) tr(A(Sigma + Sigma a a^T Sigma)A^T) - 4 p exp(s) <A Sigma a, r>`` (m,).
     """

@@ -176,7 +176,7 @@ def distance_to_manifold(A, B, task: Task) -> torch.Tensor:
 
 
 def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""Renormalisation step: re-factor ``At C`` without changing the product.
+    r"""Renormalization step: re-factor ``At C`` without changing the product.
 
     ``mode="scale"``: ``(At, C) -> (At / c, c C)`` with ``c = sqrt(||At||_F / ||C||_F)``,
     so both factors get the same Frobenius norm (in ``(A, B)``: ``(A / c, c B)``).
@@ -184,13 +184,13 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     ``mode="balance"``: replace ``(At, C)`` by the closest (Frobenius) balanced
     factorization of the current product ``P = At C``: with ``P = U S V^T``,
     ``(U S^{1/2} W^T, W S^{1/2} V^T)`` and ``W`` from Procrustes. Among all
-    factorizations of ``P`` the balanced ones minimise the total norm
+    factorizations of ``P`` the balanced ones minimize the total norm
     ``(||At||_F^2 + ||C||_F^2) / 2``, and the minimum is the nuclear norm ``||P||_*``.
-    ``||C||_F^2`` alone is *not* minimised by them: ``(t At, C / t)`` factors the same
+    ``||C||_F^2`` alone is *not* minimized by them: ``(t At, C / t)`` factors the same
     product with ``||C||_F^2`` as small as one likes. At a balanced factorization
     ``||C||_F^2 = ||P||_*`` and ``lambda_max(C^T C) = s_1(P)``, so the softmax scale is
     fixed by the product alone. The scaling mode does not re-balance (it only
-    equalises the two norms).
+    equalizes the two norms).
 
     Both leave the population loss unchanged (they keep ``At C``). If the product
     is not finite (a diverging iterate), ``"balance"`` returns NaN parameters, so
@@ -226,7 +226,7 @@ def perturb(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(A, B)`` moved by a uniformly random direction of P-norm exactly ``radius``.
 
-    The direction is Gaussian in the coordinates ``(At, C)``, normalised to
+    The direction is Gaussian in the coordinates ``(At, C)``, normalized to
     Frobenius norm ``radius`` there (i.e. P-norm ``radius`` in ``(A, B)``).
     """
     radius = check_nonneg_float(radius, "radius")

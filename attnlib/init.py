@@ -1,4 +1,4 @@
-"""Initialisations: the spectral initialisation of Algorithm 1 and a seeded random one."""
+"""Initializations: the spectral initialization of Algorithm 1 and a seeded random one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ __all__ = ["spectral_init", "random_init"]
 
 
 def spectral_init(X, Y, rank: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""Spectral initialisation ``(A0, B0)`` from one sample.
+    r"""Spectral initialization ``(A0, B0)`` from one sample.
 
     ``Sigmahat = X^T X / n``, ``Mhat = Y^T X (X^T X)^{-1}`` (needs ``n >= d``),
     ``That = Mhat Sigmahat^{1/2} = Uh Sh Vh^T`` truncated to ``rank`` (default
@@ -30,7 +30,7 @@ def spectral_init(X, Y, rank: Optional[int] = None) -> Tuple[torch.Tensor, torch
     X, Y = check_samples(X, Y)
     n, d = X.shape
     if n < d:
-        raise ValueError(f"X: spectral initialisation needs n >= d (least squares), got n = {n}, d = {d}")
+        raise ValueError(f"X: spectral initialization needs n >= d (least squares), got n = {n}, d = {d}")
     emp = empirical_task(X, Y)
     k = emp.k
     if rank is None:

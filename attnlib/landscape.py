@@ -238,7 +238,7 @@ def negative_curvature_bound(A, B, task: Task, *, rtol: float = 1e-10) -> float:
     ``C^T w = 0``, the Hessian restricted to the directions ``(alpha u w^T, beta w v^T)`` is
     ``[[0, sigma], [sigma, a]]`` (up to the sign of ``alpha``) with ``a = ||At w||^2``, whose smaller
     eigenvalue is ``(a - sqrt(a^2 + 4 sigma^2)) / 2``; symmetrically for ``At w = 0`` with
-    ``a = ||C^T w||^2``. The bound minimises ``a`` over unit ``w`` in the numerical kernels of
+    ``a = ||C^T w||^2``. The bound minimizes ``a`` over unit ``w`` in the numerical kernels of
     ``C^T`` and of ``At`` (singular values below ``rtol * max(1, s_max)``). It is ``< 0`` whenever
     ``E != 0`` and one of the kernels is nontrivial, which holds at every stationary point that is
     not a global minimum (``E C^T = 0`` with ``E != 0`` makes ``C`` singular). Returns

@@ -6,7 +6,7 @@ independent prompts,
 .. math:: L_n(\theta) = \mathbb E_X\,\hat L_n(\theta; X), \qquad
           \hat L_n(\theta; X) = \frac1{2n}\sum_{i=1}^n \|f_\theta(x_i; X) - y_i\|^2 ,
 
-minimised with fresh prompts at every step. Ingredients (each tested in ``tests/test_prompts.py``):
+minimized with fresh prompts at every step. Ingredients (each tested in ``tests/test_prompts.py``):
 
 * :func:`sample_prompts`, :func:`batched_attention`, :func:`prompt_losses`: ``P`` prompts of ``n``
   tokens at once, through the fused kernel (``scaled_dot_product_attention`` on a
@@ -17,15 +17,15 @@ minimised with fresh prompts at every step. Ingredients (each tested in ``tests/
   ``Lhat_lim(theta; X) = 1/(2n) sum_i ||A Sigma B^T x_i - y_i||^2`` is the limit layer on the same
   tokens (its expectation is the closed-form population loss ``L``). Unbiased for ``L_n`` and its
   gradient; the limit part of the Monte Carlo noise cancels;
-* :func:`run_chain`: the structured algorithm on ``L_n`` (preconditioner and renormalisation with
+* :func:`run_chain`: the structured algorithm on ``L_n`` (preconditioner and renormalization with
   the true ``Sigma``, which infinitely many prompts reveal; :mod:`attnlib.renorm` for the
-  renormalisation) from a point of the minimum set, with iterate averaging of the limit map
+  renormalization) from a point of the minimum set, with iterate averaging of the limit map
   ``A Sigma B^T`` after a burn-in;
 * :func:`excess_ustat`: from ``K`` independent chains, an estimate of ``L(theta_n) - L*`` that is
   unbiased under the Monte Carlo noise of the chains (a U-statistic over pairs), with a
   jackknife standard error.
 
-Label noise does not move the minimiser: ``L_n`` with noise ``sigma`` equals ``L_n`` without it
+Label noise does not move the minimizer: ``L_n`` with noise ``sigma`` equals ``L_n`` without it
 plus ``k sigma^2 / 2`` (the layer's output does not depend on the labels).
 """
 
@@ -215,10 +215,10 @@ def run_chain(
     """The structured algorithm on the expected loss ``L_n`` (regime (ii)), one chain.
 
     Start: ``init = (A, B)`` or, by default, the balanced minimum ``W = V`` of ``task``
-    (:func:`attnlib.geometry.manifold_point`), renormalised with ``mode``/``kappa``. Each of ``steps``
+    (:func:`attnlib.geometry.manifold_point`), renormalized with ``mode``/``kappa``. Each of ``steps``
     updates draws ``prompts`` fresh prompts (:class:`PromptObjective`), takes the step of
     :class:`attnlib.renorm.ScaledStructuredStep` (preconditioner ``Sigma^{-1}``; no regularizer)
-    and renormalises. The limit map ``A Sigma B^T`` is averaged over iterates ``burn_in .. steps``.
+    and renormalizes. The limit map ``A Sigma B^T`` is averaged over iterates ``burn_in .. steps``.
     The seeds of independent chains must differ (e.g. ``derive_seed``).
     """
     task = _check_task(task)

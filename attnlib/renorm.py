@@ -1,10 +1,10 @@
-r"""A renormalisation that keeps the softmax light-tailed, and the step rule that goes with it.
+r"""A renormalization that keeps the softmax light-tailed, and the step rule that goes with it.
 
 Background (book, chapter on the scaling law). On the orbit ``(t At, C / t)``, ``t > 0``, the
 population loss is constant but the softmax scale is not: with ``q = Sigma^{1/2} z`` the
 query-averaged variance of the softmax weights involves ``E_z exp(z^T C^T C z)``, finite only
 if ``lambda_max(C^T C) < 1/2``. At a *balanced* factorization of the product ``P = At C``,
-``C = W S^{1/2} V^T`` and ``lambda_max(C^T C) = s_1(P)``: the balancing renormalisation of
+``C = W S^{1/2} V^T`` and ``lambda_max(C^T C) = s_1(P)``: the balancing renormalization of
 :func:`attnlib.geometry.renormalize` therefore puts the layer in the heavy-tailed regime
 whenever the target's largest singular value exceeds ``1/2``.
 
@@ -15,7 +15,7 @@ This module is our design (not the paper's): after balancing, move along the orb
   ``"balance"`` when ``s_1(P) <= kappa``);
 * ``mode="fix"``: ``t^2 = s_1(P) / kappa`` (puts ``lambda_max(C^T C)`` exactly at ``kappa``, on
   either side of ``1/2``; the experiments use it to scan the softmax scale);
-* ``mode="balance"``: ``t = 1`` (the book's default renormalisation, for comparison).
+* ``mode="balance"``: ``t = 1`` (the book's default renormalization, for comparison).
 
 All three keep the product ``At C``, hence the population loss. A step size that suits the
 balanced point does not suit the rescaled one (the curvature in ``At`` scales like ``1/t^2``, in
@@ -25,10 +25,10 @@ with ``t^2 = ||At||_F / ||C||_F`` read off the current iterate (1 at a balanced 
 ``"balance"`` it is exactly the preconditioned step of :class:`attnlib.train.GradientStep`.
 
 The balancing regularizer is not used with ``"cap"``/``"fix"``: it pulls towards ``t = 1`` and
-would fight the renormalisation (with ``"balance"`` it is inert anyway, its gradient vanishes
+would fight the renormalization (with ``"balance"`` it is inert anyway, its gradient vanishes
 at balanced iterates).
 
-Nothing here edits :mod:`attnlib.train`: the renormalisation lives in the step rule, which the
+Nothing here edits :mod:`attnlib.train`: the renormalization lives in the step rule, which the
 engine's :func:`attnlib.train.run` drives with ``renormalize=None``.
 """
 
@@ -54,7 +54,7 @@ __all__ = [
     "orbit_distance",
 ]
 
-#: The renormalisation modes of :func:`renormalize_scaled`.
+#: The renormalization modes of :func:`renormalize_scaled`.
 RENORM_MODES = ("balance", "cap", "fix")
 
 
@@ -108,7 +108,7 @@ class ScaledStructuredStep(GradientStep):
 
     ``direction``: ``(t^2 gA Sigma^{-1}, t^{-2} Sigma^{-1} gB Sigma^{-1})`` with
     ``t^2 = ||At||_F / ||C||_F`` (``t = 1`` for ``mode="balance"``), i.e. plain gradient descent
-    on ``(At / t, t C)``. ``update`` applies it and renormalises with ``objective.geometry``.
+    on ``(At / t, t C)``. ``update`` applies it and renormalizes with ``objective.geometry``.
     """
 
     def __init__(self, lr: float, Sigma: SigmaLike, mode: str = "cap", kappa: Optional[float] = None):
@@ -150,9 +150,9 @@ def train_sequence(
     on_divergence: str = "stop",
     recorder_cls=Recorder,
 ) -> History:
-    """Algorithm 1 on one sequence with the renormalisation ``mode`` (regime (i), ``n`` = sample size).
+    """Algorithm 1 on one sequence with the renormalization ``mode`` (regime (i), ``n`` = sample size).
 
-    Spectral initialisation (or ``init = (A, B)``), preconditioner and renormalisation with
+    Spectral initialization (or ``init = (A, B)``), preconditioner and renormalization with
     ``Sigmahat = X^T X / n``, no regularizer (see the module docstring), the step of
     :class:`ScaledStructuredStep`. ``task`` records the population excess and ``dist_P`` at
     every recorded step. Returns the engine's :class:`~attnlib.train.History`.
@@ -184,7 +184,7 @@ def orbit_distance(A, B, A_ref, B_ref, Sigma: SigmaLike) -> float:
     r"""P-distance from ``(A, B)`` to the orbit ``{(At_ref O, O^T C_ref) : O orthogonal}`` of a reference point.
 
     ``min_O ||At - At_ref O||_F^2 + ||C - O^T C_ref||_F^2`` (coordinates of ``Sigma``) is an
-    orthogonal Procrustes problem: with ``N = At^T At_ref + C C_ref^T = U S V^T`` the minimiser
+    orthogonal Procrustes problem: with ``N = At^T At_ref + C C_ref^T = U S V^T`` the minimizer
     is ``O = V U^T``. The distance does not change when either point moves along its orbit,
     so it measures convergence to a limit point without counting drift along the nearly
     flat orbit of the finite-n loss.

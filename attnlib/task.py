@@ -232,7 +232,7 @@ def empirical_task(X, Y, *, ridge: float = 0.0) -> Task:
     ``Mhat = Y^T X (X^T X + n ridge I)^{-1}``; with ``ridge = 0`` this needs
     ``n >= d`` and a full-rank ``X``. The noise level is estimated from the
     residuals, ``sigma^2 = ||Y - X Mhat^T||^2 / (k (n - d))`` (0 when ``n == d``).
-    The spectral initialisation is a point of this task's manifold of minima.
+    The spectral initialization is a point of this task's manifold of minima.
     """
     X, Y = check_samples(X, Y)
     n, d = X.shape

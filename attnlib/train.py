@@ -2,24 +2,24 @@ r"""Training: Algorithm 1 (structure-aware gradient descent) and the baselines, 
 
 ``method="structured"`` is Algorithm 1 of the book:
 
-1. spectral initialisation (``init="spectral"``);
+1. spectral initialization (``init="spectral"``);
 2. descent on the regularized objective ``Qhat = Lhat + Rhat`` (``regularize``);
 3. the covariance preconditioner ``A <- A - lr gA Sigmahat^{-1}``,
    ``B <- B - lr Sigmahat^{-1} gB Sigmahat^{-1}`` (``precondition``), i.e. plain
    gradient descent in the coordinates ``(At, C)``;
-4. a renormalisation step after each update (``renormalize``, see
+4. a renormalization step after each update (``renormalize``, see
    :func:`attnlib.geometry.renormalize`): by default ``"balance"``, which
    replaces ``(At, C)`` by the closest balanced factorization of the current
    product ``P = At C``. It keeps the population loss, removes the components
    of ``C`` that the product does not see, and yields the factorization of
    least total norm ``(||At||_F^2 + ||C||_F^2) / 2 = ||P||_*`` (nuclear norm), whose
    softmax scale ``lambda_max(C^T C) = s_1(P)`` is fixed by the product. (It does
-   not minimise ``||C||_F^2`` by itself: ``(t At, C / t)`` makes that arbitrarily
+   not minimize ``||C||_F^2`` by itself: ``(t At, C / t)`` makes that arbitrarily
    small.) The iterates are then balanced, so the regularizer's gradient
    vanishes at them: with ``"balance"`` every step and a balanced start the
    regularizer is inert; it does the balancing (more slowly) when the
-   renormalisation is switched off (``False``) or set to ``"scale"``, which
-   only equalises ``||At||_F`` and ``||C||_F``.
+   renormalization is switched off (``False``) or set to ``"scale"``, which
+   only equalizes ``||At||_F`` and ``||C||_F``.
 
 The structured method is affine-equivariant: training on ``X G`` (any invertible
 ``G``) and mapping back with ``(A G^T, G B G^T)`` gives the same iterates as
@@ -99,7 +99,7 @@ class History:
     """Record of one training run.
 
     Lists have one entry per recorded iterate (``steps`` holds the iteration
-    numbers, starting at 0 = the initialisation). ``objective`` is the
+    numbers, starting at 0 = the initialization). ``objective`` is the
     (regularized) training objective, ``loss`` its unregularized part,
     ``grad_norm`` the Euclidean norm of the objective's gradient (NaN where the
     step rule does not compute the full gradient), ``time`` the cumulative wall
@@ -144,7 +144,7 @@ class History:
 
 @dataclass
 class Objective:
-    """What is minimised: ``loss(A, B, idx)`` plus, optionally, the balancing regularizer.
+    """What is minimized: ``loss(A, B, idx)`` plus, optionally, the balancing regularizer.
 
     ``loss(A, B, idx)`` is the training loss (``idx``: a LongTensor of query
     rows for a minibatch, or ``None`` for the full objective); ``geometry`` is
@@ -267,7 +267,7 @@ class Method:
     ``make_step(lr, context)`` returns a :class:`Step`; ``context`` holds
     ``precondition`` (``Sigma^{-1}`` or ``None``), ``batch_size``, ``n_queries``
     and ``seed``. ``structured`` says whether regularizer, preconditioner and
-    renormalisation are on by default; ``needs_samples`` that it cannot run
+    renormalization are on by default; ``needs_samples`` that it cannot run
     on the population objective; ``preconditionable`` whether the
     covariance preconditioner is defined for it.
     """
@@ -407,7 +407,7 @@ def run(
 
     Iteration ``t = 0..steps``: evaluate (and record every ``record_every``
     steps and at the last one), then, unless ``t == steps``, update with
-    ``step``, renormalise (mode ``renormalize`` with ``objective.geometry``),
+    ``step``, renormalize (mode ``renormalize`` with ``objective.geometry``),
     and check the new iterate with ``guard``; on divergence the last finite
     iterate is kept.
     """
@@ -587,14 +587,14 @@ def train(
     whiten : train on the whitened tokens ``X Sigmahat^{-1/2}`` (same ``Y``); the
         history and the returned parameters are those of the equivalent layer on the raw tokens.
     batch_size : queries per SGD step (default ``max(1, n // 8)``).
-    seed : seeds the random initialisation and the SGD minibatches.
+    seed : seeds the random initialization and the SGD minibatches.
     task : if given, the population excess risk and ``dist_P`` are recorded at every step.
     record_every : record every this many steps (the last step is always recorded).
     progress : show a tqdm progress bar.
     on_divergence : ``"raise"`` (:class:`DivergenceError`) or ``"stop"`` (``History.diverged``).
     dtype, device : move ``X``, ``Y`` there first (default: keep theirs).
 
-    The regularizer, preconditioner and renormalisation use ``Sigmahat = X^T X / n``
+    The regularizer, preconditioner and renormalization use ``Sigmahat = X^T X / n``
     (of the tokens trained on).
     """
     X, Y = check_samples(X, Y)
@@ -704,7 +704,7 @@ def train_population(
     """Run the same algorithms on the closed-form population objective ``Q = L + R`` (no samples).
 
     The components use the true ``Sigma``; ``init="spectral"`` is the
-    infinite-data spectral initialisation (exactly on the manifold), so the
+    infinite-data spectral initialization (exactly on the manifold), so the
     default here is ``"random"``. Methods that need samples (``"sgd"``) are
     not defined here. ``excess`` and ``dist`` are always recorded.
 

@@ -165,14 +165,14 @@ def test_minimiser_check_is_property_based():
 
     check("3.2", rotated)
 
-    # ... an unbalanced minimiser is not, and neither is a balanced non-minimiser
+    # ... an unbalanced minimizer is not, and neither is a balanced non-minimizer
     def unbalanced(S, M):
         At, C = _balanced(S, M)
         return _unfactor(2 * At, C / 2, S)
 
     with pytest.raises(ExerciseError, match="not balanced"):
         check("3.2", unbalanced)
-    with pytest.raises(ExerciseError, match="not a global minimiser"):
+    with pytest.raises(ExerciseError, match="not a global minimizer"):
         check("3.2", lambda S, M: _unfactor(*(0.9 * f for f in _balanced(S, M)), S))
 
 
@@ -304,7 +304,7 @@ def test_hidden_minimiser_check_is_property_based():
 
     with pytest.raises(ExerciseError, match="not balanced"):
         hidden.grade(unbalanced, spec)
-    with pytest.raises(ExerciseError, match="not a global minimiser"):
+    with pytest.raises(ExerciseError, match="not a global minimizer"):
         hidden.grade(lambda S, M: _unfactor(*(0.9 * f for f in _balanced(S, M)), S), spec)
 
 

@@ -64,7 +64,7 @@ def test_rate_rows_measure_the_distance_to_the_last_iterates_orbit():
 
 
 def test_spectral_constant_matches_a_monte_carlo_estimate():
-    """n E[excess of the spectral initialisation] -> (||T||_*^2 + ||T||_F^2)/2 + sigma^2 k d / 2."""
+    """n E[excess of the spectral initialization] -> (||T||_*^2 + ||T||_F^2)/2 + sigma^2 k d / 2."""
     task = al.Task.random(3, 2, cond=3.0, signal=1.0, noise_std=0.3, seed=5)
     n = 2048
     vals = []

@@ -125,7 +125,7 @@ def test_query_averaged_error_is_the_fused_layer_on_independent_draws(t2):
     E = fn.query_averaged_error(A, B, task, [16, 32], n_queries=5, n_seeds=2, seed=7)
     assert E.shape == (2, 2)
     assert torch.equal(E, fn.query_averaged_error(A, B, task, [16, 32], n_queries=5, n_seeds=2, seed=7))
-    # recompute one entry by hand with the reference (materialising) layer
+    # recompute one entry by hand with the reference (materializing) layer
     g = fn._stream_generator(7, "query_averaged", 32, 1)
     X, _ = task.sample(32, generator=g)
     Q, _ = task.sample(5, generator=g)
@@ -225,7 +225,7 @@ def test_self_token_shift_and_bias_leading_order(t2):
     shifts, errs = torch.stack(shifts), torch.stack(errs)
     # the shift is nearly deterministic: within 2% of p r
     assert torch.allclose(shifts.mean(0), pred["shift"][0], rtol=0.02, atol=0.02 * float(pred["shift"].norm()))
-    # the self-normalisation bias -exp(s) A Sigma a / n: within 4 standard errors
+    # the self-normalization bias -exp(s) A Sigma a / n: within 4 standard errors
     se = errs.std(0) / math.sqrt(R)
     assert bool(((errs.mean(0) - pred["bias"][0]).abs() < 4 * se).all()), (errs.mean(0), pred["bias"], se)
 

@@ -1,4 +1,4 @@
-"""Manifold of balanced minima, Procrustes projection, renormalisation, spectral init."""
+"""Manifold of balanced minima, Procrustes projection, renormalization, spectral init."""
 
 import pytest
 import torch
@@ -111,7 +111,7 @@ def _brute_force_distance(task, A, B, restarts=8, iters=300):
 
 
 @pytest.mark.parametrize("radius", [0.1, 1.0, 3.0])
-def test_distance_equals_brute_force_minimisation(gtask, radius):
+def test_distance_equals_brute_force_minimization(gtask, radius):
     A, B = al.perturb(*al.random_manifold_point(gtask, seed=5)[:2], gtask, radius, seed=6)
     exact = float(al.distance_to_manifold(A, B, gtask))
     brute = _brute_force_distance(gtask, A, B)
@@ -160,7 +160,7 @@ def test_balanced_factorization_minimises_the_total_norm(gtask):
 
 
 def test_renormalize_of_an_overflowing_product_is_nan(gtask):
-    """A diverging iterate whose product overflows has no renormalisation: NaN, so the training guard stops."""
+    """A diverging iterate whose product overflows has no renormalization: NaN, so the training guard stops."""
     A = torch.full((gtask.k, gtask.d), 1e200, dtype=torch.float64)
     B = torch.full((gtask.d, gtask.d), 1e200, dtype=torch.float64)
     A2, B2 = al.renormalize(A, B, gtask, "balance")

@@ -1,4 +1,4 @@
-"""The light-tail renormalisation, its step rule, regime-(i) training with it, and the orbit distance."""
+"""The light-tail renormalization, its step rule, regime-(i) training with it, and the orbit distance."""
 
 import numpy as np
 import pytest

@@ -44,7 +44,7 @@ def test_component_switches_change_the_iterates(data):
     for kw in ({"precondition": False}, {"renormalize": False}, {"renormalize": "scale"}):
         other = al.train(X, Y, steps=5, lr=0.2, init=init, **kw)
         assert not torch.allclose(other.A, base.A), kw
-    # from a balanced start (spectral) with balancing renormalisation every iterate is balanced,
+    # from a balanced start (spectral) with balancing renormalization every iterate is balanced,
     # where the regularizer's gradient vanishes: switching it off changes nothing
     spec = al.train(X, Y, steps=5, lr=0.2)
     no_reg = al.train(X, Y, steps=5, lr=0.2, regularize=False)

@@ -230,7 +230,7 @@ def _handouts(book: Path) -> Dict[str, tuple]:
     return out
 
 
-def _normalised(nb: dict) -> dict:
+def _normalized(nb: dict) -> dict:
     """The fields nbformat 4 requires of every cell (front ends and hand edits sometimes drop some)."""
     import uuid
 
@@ -289,7 +289,7 @@ def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectR
         try:
             sid = _student_id(f, chapter)
             nb, problems = inspect_submission(f, chapter, handout, handouts)
-            node = nbformat.from_dict(_normalised(nb))
+            node = nbformat.from_dict(_normalized(nb))
         except SubmissionError as exc:
             result.rejected[str(f)] = str(exc)
             continue

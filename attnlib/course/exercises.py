@@ -49,7 +49,7 @@ class Exercise:
     ``cases()`` returns a list of ``(description, args)``; ``reference(*args)``
     gives the expected value, or ``verify(result, *args)`` (if set) returns
     ``None`` for a correct result and an explanation otherwise (``kind`` is
-    then ``"minimiser"``, the only property check the hidden tests know).
+    then ``"minimizer"``, the only property check the hidden tests know).
     ``forbidden`` names the library functions (``"attnlib.module.qualname"``,
     or ``"attnlib.module.*"``) that solve the exercise outright: an answer
     that calls one of them fails. ``hint`` says where to look, not the formula.
@@ -131,7 +131,7 @@ def _cases_factor():
     return out
 
 
-def _cases_minimiser():
+def _cases_minimizer():
     out = []
     for i, (d, k, cond) in enumerate(((3, 2, 1.0), (4, 2, 20.0), (4, 4, 100.0))):
         g = _gen(500 + i)
@@ -193,7 +193,7 @@ def _precond_step(A, B, S, M, lr):
     return A - lr * gA @ Si, B - lr * Si @ gB @ Si
 
 
-def _verify_minimiser(result, S, M):
+def _verify_minimizer(result, S, M):
     A, B = _as_pair(result, "(A, B)")
     k, d = M.shape
     if tuple(A.shape) != (k, d) or tuple(B.shape) != (d, d):
@@ -202,13 +202,13 @@ def _verify_minimiser(result, S, M):
     ex = float(task.excess_risk(A, B))
     scale = float(task.excess_risk(torch.zeros_like(A), torch.zeros_like(B)))
     if not ex <= 1e-20 * max(scale, 1.0) + 1e-24:
-        return f"the pair is not a global minimiser: its excess risk is {ex:.3e} (> 0), so A Sigma B^T differs from M"
+        return f"the pair is not a global minimizer: its excess risk is {ex:.3e} (> 0), so A Sigma B^T differs from M"
     At, C = to_factor(A, B, S)
     gap = float(torch.linalg.norm(At.T @ At - C @ C.T))
     size = float(torch.linalg.norm(At.T @ At)) + 1e-300
     if gap > 1e-8 * size:
         return (
-            f"the pair minimises the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e} "
+            f"the pair minimizes the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e} "
             f"(relative {gap / size:.1e})"
         )
     return None
@@ -234,7 +234,7 @@ EXERCISES: Dict[str, Exercise] = {
             "1.2",
             "my_empirical_loss(A, B, X, Y) -> scalar",
             _cases_loss,
-            "check the normalisation: a factor 1/2, a mean over the n queries, and a squared norm of "
+            "check the normalization: a factor 1/2, a mean over the n queries, and a squared norm of "
             "each k-dimensional residual (do not divide by n k)",
             reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
             forbidden=("attnlib.attention.empirical_loss", "attnlib.finite_n.*"),
@@ -283,12 +283,12 @@ EXERCISES: Dict[str, Exercise] = {
         ),
         Exercise(
             "3.2",
-            "my_balanced_minimiser(Sigma, M) -> (A, B)",
-            _cases_minimiser,
-            "work in factor coordinates, where the global minimisers are the factorizations of T, and "
+            "my_balanced_minimizer(Sigma, M) -> (A, B)",
+            _cases_minimizer,
+            "work in factor coordinates, where the global minimizers are the factorizations of T, and "
             "use a singular value decomposition of T",
-            verify=_verify_minimiser,
-            kind="minimiser",
+            verify=_verify_minimizer,
+            kind="minimizer",
             forbidden=(
                 "attnlib.geometry.manifold_point",
                 "attnlib.geometry.random_manifold_point",
@@ -476,7 +476,7 @@ def hidden_spec(key: str) -> dict:
     cases = []
     for desc, args in ex.cases():
         case = {"desc": desc, "args": [hidden.encode(a) for a in args]}
-        if ex.kind == "minimiser":
+        if ex.kind == "minimizer":
             S, M = args
             case.update(
                 Sigma=hidden.encode(S),

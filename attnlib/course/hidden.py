@@ -212,8 +212,8 @@ def _compare(got, want, rtol, atol, what="the result"):
     return None
 
 
-def _verify_minimiser(got, case):
-    """``None`` if ``got`` is a balanced global minimiser for the case's ``(Sigma, M)``, else a message."""
+def _verify_minimizer(got, case):
+    """``None`` if ``got`` is a balanced global minimizer for the case's ``(Sigma, M)``, else a message."""
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         return f"expected a pair (A, B), got {type(got).__name__}"
     S, M, H = (_nested(case[k]["v"], case[k]["torch"]) for k in ("Sigma", "M", "Sigma_half"))
@@ -227,12 +227,12 @@ def _verify_minimiser(got, case):
     E = [[x - m for x, m in zip(r, mr)] for r, mr in zip(_matmul(_matmul(A, S), _t(B)), M)]
     excess = 0.5 * _fro(_matmul(E, H)) ** 2
     if not excess <= 1e-20 * max(case["scale"], 1.0) + 1e-24:
-        return f"the pair is not a global minimiser: its excess risk is {excess:.3e} (> 0)"
+        return f"the pair is not a global minimizer: its excess risk is {excess:.3e} (> 0)"
     At, C = _matmul(A, H), _matmul(_matmul(H, _t(B)), H)
     G = _matmul(_t(At), At)
     gap = _fro([[g - c for g, c in zip(r, cr)] for r, cr in zip(G, _matmul(C, _t(C)))])
     if not gap <= 1e-8 * (_fro(G) + 1e-300):
-        return f"the pair minimises the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e}"
+        return f"the pair minimizes the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e}"
     return None
 
 
@@ -241,7 +241,7 @@ def grade(fn, spec):
 
     ``spec`` is the literal written at release by
     :func:`attnlib.course.exercises.hidden_spec`: the key, the function's
-    name, the kind of check (``"value"`` or ``"minimiser"``), the forbidden
+    name, the kind of check (``"value"`` or ``"minimizer"``), the forbidden
     library functions, tolerances, and the cases with their inputs and
     expected values.
     """
@@ -267,8 +267,8 @@ def grade(fn, spec):
         for a, enc in zip(args, case["args"]):
             if isinstance(enc, dict) and "v" in enc and flatten(a)[1] != enc["v"]:
                 raise ExerciseError(f"{head}: {name} modified its input in place on {where}")
-        if spec["kind"] == "minimiser":
-            msg = _verify_minimiser(got, case)
+        if spec["kind"] == "minimizer":
+            msg = _verify_minimizer(got, case)
         else:
             msg = _compare(got, case["expected"], spec["rtol"], spec["atol"])
         if msg is not None:
