@@ -86,8 +86,18 @@ def shared_legend(fig, axes=None, *, ncol: int | None = None, loc: str = "outsid
 
 
 def check_labelled(fig) -> None:
-    """Raise ``ValueError`` naming the panel if an axis of ``fig`` (with data) has no label."""
+    """Raise ``ValueError`` naming the panel if an axis of ``fig`` (with data) has no label.
+
+    A colorbar counts as labelled when its long axis has a label
+    (``fig.colorbar(..., label=...)``).
+    """
     for i, ax in enumerate(fig.axes):
+        cbar = getattr(ax, "_colorbar", None)
+        if cbar is not None:
+            label = ax.get_ylabel() if cbar.orientation == "vertical" else ax.get_xlabel()
+            if not label:
+                raise ValueError(f"fig: colorbar (panel {i}) lacks a label: pass label= to fig.colorbar")
+            continue
         if not ax.has_data() or not ax.axison:
             continue
         if not ax.get_xlabel() or not ax.get_ylabel():

@@ -64,3 +64,18 @@ def test_table_html_is_deterministic():
     assert "T_fixed-id" in ap.table(rows, name="fixed-id").to_html()
     with pytest.raises(ValueError, match="name"):
         ap.table(rows, name="bad id")
+
+
+def test_check_labelled_accepts_labelled_colorbars_only():
+    import numpy as np
+
+    fig, ax = ap.figure(1)
+    im = ax.imshow(np.eye(3))
+    ax.set_xlabel("key token")
+    ax.set_ylabel("query token")
+    cbar = fig.colorbar(im, ax=ax)
+    with pytest.raises(ValueError, match="colorbar"):
+        ap.check_labelled(fig)
+    cbar.set_label("weight")
+    ap.check_labelled(fig)
+    plt.close("all")
