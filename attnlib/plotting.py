@@ -126,6 +126,7 @@ def table(
     (letters, digits, ``-`` and ``_``) or, without it, from a hash of the
     caption and the column names, so a notebook cell that shows the table can
     carry the ``nbval-check-output`` tag (pandas' default ids are random).
+    Cell and column-header text is HTML-escaped (``"< 1e-10"`` shows as written).
     """
     import pandas as pd
 
@@ -143,8 +144,10 @@ def table(
     elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
         raise ValueError(f"name: expected letters, digits, '-' or '_' only, got {name!r}")
     sty = df.style.hide(axis="index").set_table_attributes('class="attnlib-table"').set_uuid(str(name))
+    # text is escaped: a cell such as "< 1e-10" or "theta'" must show as written, not as markup
+    sty = sty.format(na_rep="-", escape="html").format_index(escape="html", axis=1)
     if formats:
-        sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-")
+        sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-", escape="html")
     if caption:
         sty = sty.set_caption(caption)
     return sty

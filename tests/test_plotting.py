@@ -79,3 +79,10 @@ def test_check_labelled_accepts_labelled_colorbars_only():
     cbar.set_label("weight")
     ap.check_labelled(fig)
     plt.close("all")
+
+
+def test_table_escapes_text():
+    html = ap.table([{"L(theta') - L": "< 1e-10", "x": 0.5}], formats={"x": "{:.2f}"}).to_html()
+    assert "&lt; 1e-10" in html and "< 1e-10" not in html
+    assert "L(theta&#x27;) - L" in html or "L(theta&#39;) - L" in html
+    assert "0.50" in html
