@@ -86,8 +86,18 @@ def shared_legend(fig, axes=None, *, ncol: int | None = None, loc: str = "outsid
 
 
 def check_labelled(fig) -> None:
-    """Raise ``ValueError`` naming the panel if an axis of ``fig`` (with data) has no label."""
+    """Raise ``ValueError`` naming the panel if an axis of ``fig`` (with data) has no label.
+
+    A colorbar counts as labelled when its long axis has a label
+    (``fig.colorbar(..., label=...)``).
+    """
     for i, ax in enumerate(fig.axes):
+        cbar = getattr(ax, "_colorbar", None)
+        if cbar is not None:
+            label = ax.get_ylabel() if cbar.orientation == "vertical" else ax.get_xlabel()
+            if not label:
+                raise ValueError(f"fig: colorbar (panel {i}) lacks a label: pass label= to fig.colorbar")
+            continue
         if not ax.has_data() or not ax.axison:
             continue
         if not ax.get_xlabel() or not ax.get_ylabel():
@@ -116,6 +126,7 @@ def table(
     (letters, digits, ``-`` and ``_``) or, without it, from a hash of the
     caption and the column names, so a notebook cell that shows the table can
     carry the ``nbval-check-output`` tag (pandas' default ids are random).
+    Cell and column-header text is HTML-escaped (``"< 1e-10"`` shows as written).
     """
     import pandas as pd
 
@@ -133,8 +144,10 @@ def table(
     elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
         raise ValueError(f"name: expected letters, digits, '-' or '_' only, got {name!r}")
     sty = df.style.hide(axis="index").set_table_attributes('class="attnlib-table"').set_uuid(str(name))
+    # text is escaped: a cell such as "< 1e-10" or "theta'" must show as written, not as markup
+    sty = sty.format(na_rep="-", escape="html").format_index(escape="html", axis=1)
     if formats:
-        sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-")
+        sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-", escape="html")
     if caption:
         sty = sty.set_caption(caption)
     return sty

@@ -40,6 +40,7 @@ import torch
 
 from ._validate import check_nonneg_float, check_positive_int, check_samples
 from .attention import empirical_loss
+from .finite_n import softmax_scale  # re-exported: the heavy-tail index lives in finite_n
 from .geometry import from_factor, renormalize, to_factor
 from .init import spectral_init
 from .task import SigmaLike, Task, as_covariance, empirical_task
@@ -66,17 +67,6 @@ def _check_mode(mode: str, kappa) -> Optional[float]:
     if kappa is None:
         raise ValueError(f"kappa: mode {mode!r} needs a positive bound kappa on lambda_max(C^T C)")
     return check_nonneg_float(kappa, "kappa", positive=True)
-
-
-def softmax_scale(A, B, Sigma: SigmaLike) -> float:
-    r"""``lambda_max(C^T C)`` with ``C = Sigma^{1/2} B^T Sigma^{1/2}``: the heavy-tail index of the softmax.
-
-    For queries ``q ~ N(0, Sigma)`` the Kish effective sample size of the softmax weights is
-    ``n exp(-z^T C^T C z)`` (``q = Sigma^{1/2} z``), whose inverse has a finite mean over queries
-    only if this number is below ``1/2``.
-    """
-    _, C = to_factor(A, B, Sigma)
-    return float(torch.linalg.matrix_norm(C, ord=2) ** 2)
 
 
 def renormalize_scaled(

@@ -64,3 +64,25 @@ def test_table_html_is_deterministic():
     assert "T_fixed-id" in ap.table(rows, name="fixed-id").to_html()
     with pytest.raises(ValueError, match="name"):
         ap.table(rows, name="bad id")
+
+
+def test_check_labelled_accepts_labelled_colorbars_only():
+    import numpy as np
+
+    fig, ax = ap.figure(1)
+    im = ax.imshow(np.eye(3))
+    ax.set_xlabel("key token")
+    ax.set_ylabel("query token")
+    cbar = fig.colorbar(im, ax=ax)
+    with pytest.raises(ValueError, match="colorbar"):
+        ap.check_labelled(fig)
+    cbar.set_label("weight")
+    ap.check_labelled(fig)
+    plt.close("all")
+
+
+def test_table_escapes_text():
+    html = ap.table([{"L(theta') - L": "< 1e-10", "x": 0.5}], formats={"x": "{:.2f}"}).to_html()
+    assert "&lt; 1e-10" in html and "< 1e-10" not in html
+    assert "L(theta&#x27;) - L" in html or "L(theta&#39;) - L" in html
+    assert "0.50" in html

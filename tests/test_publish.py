@@ -208,6 +208,14 @@ def test_colab_install_cell(tmp_path):
     # a bad URL touches nothing
     assert _run("--url", "https://example.com/x/y", "--no-config", "--notebook", str(nb_path)).returncode == 2
     assert "other/book@dev" in nb_path.read_text()
+    # several notebooks after one --notebook (the workflow passes book/ch*.ipynb)
+    second = tmp_path / "ch2_population.ipynb"
+    shutil.copy2(ROOT / "book" / "ch2_population.ipynb", second)
+    proc = _run("--url", TEST_REPOSITORY, "--no-config", "--notebook", str(nb_path), str(second))
+    assert proc.returncode == 0, proc.stderr
+    for path in (nb_path, second):
+        first = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"][0]
+        assert f"git+{TEST_REPOSITORY}@main" in first.source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,6 +304,7 @@ def test_workflow_builds_and_deploys_the_book():
     fill = next(s for s in steps if "set_repository.py" in s.get("run", ""))
     assert fill["env"]["REPO_URL"] == "https://github.com/${{ github.repository }}"
     assert fill["env"]["BRANCH"] == "${{ github.ref_name }}"
+    assert "--notebook book/ch*.ipynb" in fill["run"]  # every chapter gets its colab-install cell
     assert "jupyter-book build . -W -n --keep-going" in runs
     upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-pages-artifact"))
     assert upload["with"]["path"] == "_build/html"

@@ -97,3 +97,10 @@ def test_validation(task):
     X, Y = task.sample(3, seed=0)
     with pytest.raises(ValueError, match="n >= d"):
         rn.train_sequence(X, Y, steps=2, lr=0.1, mode="cap", kappa=0.2)
+
+
+def test_one_heavy_tail_index():
+    """renorm uses the finite-n module's softmax scale (one definition in the library)."""
+    import attnlib.finite_n as fn
+
+    assert rn.softmax_scale is fn.softmax_scale

@@ -246,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-config", action="store_true", help="leave the config alone (with --notebook)")
     parser.add_argument(
         "--notebook",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="PATH",
-        help="add or update the colab-install cell in this notebook (repeatable)",
+        help="add or update the colab-install cell in these notebooks (repeatable)",
     )
     args = parser.parse_args(argv)
     try:
