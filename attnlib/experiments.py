@@ -66,10 +66,13 @@ __all__ = [
     "sweep",
     "load",
     "values_by_n",
+    "trained_values",
+    "series",
     "fit_floor",
     "spectral_constant",
     "lower_bound_constant",
     "van_trees_bound",
+    "prompt_residuals",
     "prompt_excess",
     "fit_prompt_exponent",
     "main",
@@ -386,6 +389,41 @@ def values_by_n(rows, column: str = "excess", **where) -> Dict[int, np.ndarray]:
     return {n: np.array(v) for n, v in sorted(out.items())}
 
 
+def trained_values(rows, renorm: str, noise_std: float, *, step: Optional[int] = None, column: str = "excess"):
+    """``{n: values over the seeds}`` of ``column`` in the ``trained`` sweep for one renormalization and noise level.
+
+    ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
+    initialization). The values of each ``n`` are in seed order, so two calls pair up seed by seed.
+    """
+    sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
+    if not sel:
+        raise ValueError(f"renorm, noise_std: no runs with renorm = {renorm!r}, noise_std = {noise_std}")
+    last = max(int(r["step"]) for r in sel)
+    st = last if step is None else int(step)
+    sel = sorted((r for r in sel if int(r["step"]) == st), key=lambda r: (int(r["n"]), int(r["seed"])))
+    if not sel:
+        raise ValueError(f"step: no rows at step {step} (recorded: 0 .. {last})")
+    return values_by_n(sel, column)
+
+
+def series(rows, column: str, **where):
+    """``(steps, values)`` of ``column`` along one run: the rows matching every ``key=value`` in ``where``,
+    sorted by ``step`` (e.g. ``series(rows, "orbit_dist", renorm="cap", n=512, seed=0)``).
+
+    Raises ``ValueError`` when no row matches or when a step occurs twice (``where`` does not pick one run).
+    """
+    sel = [r for r in rows if all(r[k] == v for k, v in where.items())]
+    if not sel:
+        raise ValueError(f"where: no rows match {where}")
+    sel.sort(key=lambda r: int(r["step"]))
+    steps = np.array([int(r["step"]) for r in sel])
+    if np.any(np.diff(steps) == 0):
+        raise ValueError(
+            f"where: {where} matches more than one run (step {int(steps[np.argmin(np.diff(steps))])} repeats)"
+        )
+    return steps, np.array([float(r[column]) for r in sel])
+
+
 def fit_floor(
     rows,
     noise_std: float,
@@ -452,8 +490,8 @@ def van_trees_bound(task: Task, n: int, h: float = 0.5) -> float:
     return (1 - h) ** 3 * t2 / 2 * e2**2 / (n * task.d * e2 / 2 + J)
 
 
-def prompt_excess(rows, label: str) -> Dict[int, dict]:
-    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+def prompt_residuals(rows, label: str) -> Dict[int, np.ndarray]:
+    """Per ``n``: the averaged residuals ``R`` of the chains of the regime-(ii) scale ``label``, shape ``(K, k, d)``."""
     task = make_task(0.0)
     k, d = task.k, task.d
     by_n: Dict[int, list] = {}
@@ -462,7 +500,13 @@ def prompt_excess(rows, label: str) -> Dict[int, dict]:
             by_n.setdefault(int(r["n"]), []).append(np.array([r[f"r{i}"] for i in range(k * d)]).reshape(k, d))
     if not by_n:
         raise ValueError(f"label: no chains with label {label!r}")
-    return {n: excess_ustat(Rs, task.Sigma) for n, Rs in sorted(by_n.items())}
+    return {n: np.array(Rs) for n, Rs in sorted(by_n.items())}
+
+
+def prompt_excess(rows, label: str) -> Dict[int, dict]:
+    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+    Sigma = make_task(0.0).Sigma
+    return {n: excess_ustat(Rs, Sigma) for n, Rs in prompt_residuals(rows, label).items()}
 
 
 def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: float = 0.95) -> ExponentFit:

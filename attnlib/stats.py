@@ -12,8 +12,11 @@ line more than their standard errors allow (a curved log-log plot, or underestim
 Per-``n`` summaries: :func:`summarize` (mean: delta method on the log; median: the
 distribution-free quantile interval). :func:`local_slopes` gives the slope between
 neighbouring ``n`` with its standard error. :func:`coverage` runs a simulation of a design and
-reports how often the interval contains the true exponent; the tests call it with the sweeps'
-designs.
+reports how often the interval contains the true exponent; :func:`gamma_design` (independent
+seeds per ``n``) and :func:`chain_design` (independent chains per ``n``, U-statistics) build such
+simulations from a sweep's measured design, and the tests and the last chapter call them.
+:func:`scaled_constant` (the constant ``c`` of ``value ~ c n^-p``), :func:`paired_ratio` (two
+estimators on the same seeds) and :func:`steps_per_decade` are the chapter's other summaries.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ __all__ = [
     "local_slopes",
     "t_quantile",
     "coverage",
+    "scaled_constant",
+    "paired_ratio",
+    "steps_per_decade",
+    "gamma_design",
+    "chain_design",
 ]
 
 
@@ -259,3 +267,147 @@ def coverage(
         "mean_slope": float(np.mean(slopes)),
         "mean_halfwidth": float(np.mean(widths)),
     }
+
+
+def _check_values_by_n(values_by_n, name: str = "values_by_n", min_n: int = 1, min_size: int = 2) -> dict:
+    if not isinstance(values_by_n, dict) or len(values_by_n) < min_n:
+        raise ValueError(f"{name}: expected a dict {{n: values}} with at least {min_n} entries")
+    out = {}
+    for n, v in values_by_n.items():
+        a = np.asarray(v, dtype=float).ravel()
+        if not float(n) > 0:
+            raise ValueError(f"{name}: expected positive n, got {n!r}")
+        if a.size < min_size or not np.all(np.isfinite(a)) or np.any(a <= 0):
+            raise ValueError(f"{name}: at n = {n}, expected at least {min_size} positive finite values")
+        out[n] = a
+    return out
+
+
+def scaled_constant(values_by_n: Dict[float, Sequence[float]], *, power: float = 1.0, n_min=None) -> tuple:
+    """The constant ``c`` of ``E value ~ c n^-power``, pooled over ``n >= n_min``.
+
+    At each ``n`` the independent values give ``n^power mean`` with standard error
+    ``n^power sd / sqrt(S)``; the estimates are averaged with inverse-variance weights.
+    Returns ``(c, se)`` (a 95% interval is ``c +- 1.96 se``). Meaningful where ``n^power x value``
+    is flat, which the chapter checks on a plot and with the fitted exponent.
+    """
+    vals = _check_values_by_n(values_by_n)
+    if not math.isfinite(float(power)):
+        raise ValueError(f"power: expected a finite number, got {power!r}")
+    keys = [n for n in vals if n_min is None or float(n) >= float(n_min)]
+    if not keys:
+        raise ValueError(f"n_min: no n >= {n_min} in values_by_n (largest {max(float(n) for n in vals)})")
+    est = np.array([float(n) ** power * vals[n].mean() for n in keys])
+    se = np.array([float(n) ** power * vals[n].std(ddof=1) / math.sqrt(vals[n].size) for n in keys])
+    if np.any(se <= 0):
+        raise ValueError("values_by_n: the values at some n do not vary; no standard error")
+    w = 1.0 / se**2
+    return float(np.sum(w * est) / w.sum()), float(1.0 / math.sqrt(w.sum()))
+
+
+def paired_ratio(numerator_by_n, denominator_by_n, *, n_min=None, level: float = 0.95) -> tuple:
+    """Geometric mean of ``numerator / denominator`` over paired values (the same seeds), with its interval.
+
+    Both arguments are ``{n: values}`` with the values of each ``n`` in the same seed order; the
+    log-ratios of all ``n >= n_min`` are pooled and the interval is the normal interval of their
+    mean, exponentiated. Returns ``(ratio, low, high)``.
+    """
+    level = _check_level(level)
+    num = _check_values_by_n(numerator_by_n, "numerator_by_n")
+    den = _check_values_by_n(denominator_by_n, "denominator_by_n")
+    keys = [n for n in num if n_min is None or float(n) >= float(n_min)]
+    if not keys:
+        raise ValueError(f"n_min: no n >= {n_min} in numerator_by_n")
+    for n in keys:
+        if n not in den or den[n].size != num[n].size:
+            raise ValueError(f"denominator_by_n: expected {num[n].size} paired values at n = {n}")
+    lr = np.concatenate([np.log(num[n] / den[n]) for n in keys])
+    if lr.size < 2:
+        raise ValueError("numerator_by_n: need at least two paired values")
+    m, se = float(lr.mean()), float(lr.std(ddof=1) / math.sqrt(lr.size))
+    q = NormalDist().inv_cdf(0.5 + level / 2)
+    return math.exp(m), math.exp(m - q * se), math.exp(m + q * se)
+
+
+def steps_per_decade(mu: float) -> float:
+    """Steps a geometric sequence ``c mu^m`` needs to shrink by a factor 10: ``log 10 / -log mu``."""
+    mu = float(mu)
+    if not 0 < mu < 1:
+        raise ValueError(f"mu: expected a contraction factor in (0, 1), got {mu!r}")
+    return math.log(10) / -math.log(mu)
+
+
+def gamma_design(
+    values_by_n: Dict[float, Sequence[float]], *, stat: str = "mean", truth: float = -1.0, scale: float = 2.0
+) -> Callable[[np.random.Generator], ExponentFit]:
+    """A simulation of a sweep with independent seeds per ``n``, for :func:`coverage`.
+
+    The design is read off the measured ``values_by_n``: the same ``n`` grid, ``S`` = the smallest
+    number of seeds at any ``n``, and the per-seed dispersion as a Gamma law whose shape is
+    ``1 / median_n(var / mean^2)``. One simulated sweep draws, at each ``n``, ``S`` values
+    ``scale n^truth G`` with ``G ~ Gamma(shape, 1/shape)`` (mean 1) and returns
+    :func:`fit_exponent` of them with ``stat``; the true exponent is ``truth``.
+    """
+    vals = _check_values_by_n(values_by_n, min_n=3, min_size=3)
+    if stat not in ("mean", "median"):
+        raise ValueError(f"stat: expected 'mean' or 'median', got {stat!r}")
+    if not (math.isfinite(float(truth)) and float(scale) > 0):
+        raise ValueError(f"truth, scale: expected a finite exponent and a positive scale, got {truth!r}, {scale!r}")
+    ns = np.array(list(vals))
+    S = min(v.size for v in vals.values())
+    cv2 = float(np.median([v.var() / v.mean() ** 2 for v in vals.values()]))
+    if not cv2 > 0:
+        raise ValueError("values_by_n: the values do not vary; no dispersion to simulate")
+    shape = 1.0 / cv2
+
+    def simulate(rng: np.random.Generator) -> ExponentFit:
+        return fit_exponent({n: scale * float(n) ** truth * rng.gamma(shape, 1 / shape, S) for n in ns}, stat=stat)
+
+    simulate.design = {"ns": ns, "seeds": S, "shape": shape, "truth": float(truth)}
+    return simulate
+
+
+def chain_design(
+    residuals_by_n: Dict[float, np.ndarray], Sigma, *, truth: float = -2.0, n_min=None
+) -> Callable[[np.random.Generator], ExponentFit]:
+    r"""A simulation of a sweep with ``K`` independent chains per ``n``, for :func:`coverage`.
+
+    ``residuals_by_n`` maps ``n`` to the chains' averaged residuals, an array ``(K, k, d)``
+    (``attnlib.experiments.prompt_residuals``). The design: the ``n >= n_min`` of the grid, ``K``
+    chains, and at each ``n`` the measured relative chain noise ``q_n`` (the entries' standard
+    deviation across chains, averaged, over the norm of the mean residual). One simulated
+    sweep takes the mean residual ``R_0`` at the largest ``n``, sets the true residual
+    ``R_n = R_0 (n_max/n)^{-truth/2}`` (so the excess ``1/2 ||R_n Sigma^{1/2}||^2`` scales as
+    ``n^truth``), draws ``K`` chains ``R_n + q_n ||R_n|| N(0, I)`` and returns
+    :func:`ustat_exponent` of their U-statistics (``attnlib.prompts.excess_ustat``; a negative
+    U-statistic is replaced by its absolute value, as a fit on logs needs positive values).
+    """
+    from .prompts import excess_ustat
+
+    if not isinstance(residuals_by_n, dict) or not residuals_by_n:
+        raise ValueError("residuals_by_n: expected a dict {n: array of shape (K, k, d)}")
+    R = {float(n): np.asarray(v, dtype=float) for n, v in sorted(residuals_by_n.items())}
+    shapes = {r.shape for r in R.values()}
+    if any(r.ndim != 3 or r.shape[0] < 3 for r in R.values()) or len({s[1:] for s in shapes}) != 1:
+        raise ValueError("residuals_by_n: expected arrays (K, k, d) of one (k, d) with K >= 3 chains each")
+    if not math.isfinite(float(truth)):
+        raise ValueError(f"truth: expected a finite exponent, got {truth!r}")
+    ns = [n for n in R if n_min is None or n >= float(n_min)]
+    if len(ns) < 3:
+        raise ValueError(f"n_min: need at least three n >= {n_min}, got {len(ns)}")
+    n0 = max(R)
+    R0 = R[n0].mean(axis=0)
+    rel = {n: R[n].std(axis=0, ddof=1).mean() / np.linalg.norm(R[n].mean(axis=0)) for n in ns}
+    K = min(R[n].shape[0] for n in ns)
+    S = np.asarray(Sigma.cpu().numpy() if hasattr(Sigma, "cpu") else Sigma, dtype=float)
+
+    def simulate(rng: np.random.Generator) -> ExponentFit:
+        U = []
+        for n in ns:
+            Rt = R0 * (n0 / n) ** (-truth / 2)
+            u = excess_ustat(Rt + rel[n] * np.linalg.norm(Rt) * rng.standard_normal((K,) + Rt.shape), S)
+            U.append(dict(u, excess=abs(u["excess"])))
+        return ustat_exponent(ns, U)
+
+    simulate.design = {"ns": np.array(ns), "chains": K, "rel_noise": rel, "truth": float(truth)}
+    return simulate

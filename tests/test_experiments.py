@@ -140,3 +140,54 @@ def test_cli_rejects_bad_arguments(tmp_path):
         ex.main(["spectral", "--out", str(tmp_path / "x.csv"), "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"])
     with pytest.raises(ValueError, match="name"):
         ex.sweep("nope")
+
+
+def _rows():
+    """A tiny stand-in for the ``trained`` / ``rate`` sweeps, written out of seed order (as Dask does)."""
+    rows = []
+    for renorm, seeds in (("balance", (1, 0, 2)), ("cap", (2, 1, 0))):
+        for seed in seeds:
+            for step in (3, 0, 1):
+                rows.append(
+                    dict(
+                        renorm=renorm,
+                        noise_std=0.0,
+                        n=32.0,
+                        seed=float(seed),
+                        step=float(step),
+                        excess=10 * seed + step,
+                    )
+                )
+    return rows
+
+
+def test_trained_values_pair_seed_by_seed_and_pick_the_last_step():
+    rows = _rows()
+    b, c = ex.trained_values(rows, "balance", 0.0), ex.trained_values(rows, "cap", 0.0)
+    assert list(b[32]) == [3.0, 13.0, 23.0] and list(c[32]) == list(b[32])  # step 3, seeds 0, 1, 2
+    assert list(ex.trained_values(rows, "cap", 0.0, step=0)[32]) == [0.0, 10.0, 20.0]
+    with pytest.raises(ValueError, match="renorm"):
+        ex.trained_values(rows, "none", 0.0)
+    with pytest.raises(ValueError, match="step"):
+        ex.trained_values(rows, "cap", 0.0, step=2)
+
+
+def test_series_sorts_by_step_and_refuses_two_runs():
+    s, v = ex.series(_rows(), "excess", renorm="cap", seed=1)
+    assert list(s) == [0, 1, 3] and list(v) == [10.0, 11.0, 13.0]
+    with pytest.raises(ValueError, match="more than one run"):
+        ex.series(_rows(), "excess", renorm="cap")
+    with pytest.raises(ValueError, match="no rows"):
+        ex.series(_rows(), "excess", renorm="cap", seed=7)
+
+
+def test_prompt_residuals_group_the_chains():
+    k, d = ex.make_task().k, ex.make_task().d
+    rows = [
+        dict(label="x", n=float(n), **{f"r{i}": float(c + i) for i in range(k * d)}) for n in (16, 32) for c in range(3)
+    ]
+    R = ex.prompt_residuals(rows, "x")
+    assert sorted(R) == [16, 32] and R[16].shape == (3, k, d) and R[16][2, 0, 1] == 3.0
+    assert ex.prompt_excess(rows, "x")[16]["K"] == 3
+    with pytest.raises(ValueError, match="label"):
+        ex.prompt_residuals(rows, "y")

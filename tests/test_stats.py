@@ -47,27 +47,9 @@ def test_wls_recovers_a_power_law_and_inflates_for_curvature():
         st.wls_exponent(ns, curved, np.zeros(ns.size))
 
 
-def _spectral_design():
-    """ns, seeds per n and the per-seed dispersion (Gamma shape) of the committed regime-(i) sweeps."""
-    path = DATA / "regime1_spectral.csv"
-    rows = ex.load(str(path))
-    v = ex.values_by_n(rows, "excess", noise_std=0.0)
-    ns = np.array(sorted(v))
-    S = min(len(a) for a in v.values())
-    cv2 = np.median([a.var() / a.mean() ** 2 for a in v.values()])
-    return ns, S, 1.0 / cv2
-
-
-def _trained_design():
+def _trained_values():
     rows = ex.load(str(DATA / "regime1_trained.csv"))
-    last = max(int(r["step"]) for r in rows)
-    v = ex.values_by_n(
-        [r for r in rows if int(r["step"]) == last and r["renorm"] == "balance"], "excess", noise_std=0.1
-    )
-    ns = np.array(sorted(v))
-    S = min(len(a) for a in v.values())
-    cv2 = np.median([a.var() / a.mean() ** 2 for a in v.values()])
-    return ns, S, 1.0 / cv2
+    return ex.trained_values(rows, "balance", 0.1)
 
 
 @pytest.mark.parametrize("design", ["spectral", "trained"])
@@ -77,13 +59,12 @@ def test_regime_i_intervals_cover_at_the_stated_rate(design, stat):
     path = DATA / ("regime1_spectral.csv" if design == "spectral" else "regime1_trained.csv")
     if not path.exists():
         pytest.skip(f"{path.name} not generated yet")
-    ns, S, shape = _spectral_design() if design == "spectral" else _trained_design()
-    assert S >= (400 if design == "spectral" else 40)
-
-    def simulate(rng):
-        vals = {n: 2.0 / n * rng.gamma(shape, 1.0 / shape, S) for n in ns}
-        return st.fit_exponent(vals, stat=stat, level=0.95)
-
+    if design == "spectral":
+        values = ex.values_by_n(ex.load(str(path)), "excess", noise_std=0.0)
+    else:
+        values = _trained_values()
+    simulate = st.gamma_design(values, stat=stat, truth=-1.0)
+    assert simulate.design["seeds"] >= (400 if design == "spectral" else 40)
     res = st.coverage(simulate, -1.0, reps=400, seed=1)
     assert 0.90 <= res["coverage"] <= 0.99, res
     assert abs(res["mean_slope"] + 1.0) < 0.2 * res["mean_halfwidth"] + 0.01
@@ -96,35 +77,9 @@ def test_regime_ii_intervals_cover_at_the_stated_rate(label, n_min):
     path = DATA / "regime2_prompts.csv"
     if not path.exists():
         pytest.skip("regime2_prompts.csv not generated yet")
-    rows = ex.load(str(path))
-    task = ex.make_task()
-    est = ex.prompt_excess(rows, label)
-    ns = np.array(sorted(est))
-    K = min(e["K"] for e in est.values())
-    assert K >= 6
-    # per-n chain noise: spread of the residual entries across chains, relative to the mean residual
-    kd = task.k * task.d
-    rel = []
-    for n in ns:
-        R = np.array([[r[f"r{i}"] for i in range(kd)] for r in rows if r["label"] == label and int(r["n"]) == n])
-        rel.append(R.std(axis=0, ddof=1).mean() / np.linalg.norm(R.mean(axis=0)))
-    rel = np.array(rel)
-    S = task.Sigma.numpy()
-    R0 = np.array([[r[f"r{i}"] for i in range(kd)] for r in rows if r["label"] == label and int(r["n"]) == ns[-1]])
-    R0 = R0.mean(axis=0).reshape(task.k, task.d)
-
-    keep = ns >= n_min
-
-    def simulate(rng):
-        U = []
-        for n, q in zip(ns[keep], rel[keep]):
-            Rt = R0 * (ns[-1] / n)  # excess ~ n^-2
-            Rs = Rt + q * np.linalg.norm(Rt) * rng.standard_normal((K,) + Rt.shape)
-            U.append(excess_ustat(Rs, S))
-        for u in U:
-            u["excess"] = abs(u["excess"])
-        return st.ustat_exponent(ns[keep], U)
-
+    residuals = ex.prompt_residuals(ex.load(str(path)), label)
+    simulate = st.chain_design(residuals, ex.make_task().Sigma, truth=-2.0, n_min=n_min)
+    assert simulate.design["chains"] >= 6
     res = st.coverage(simulate, -2.0, reps=400, seed=2)
     assert 0.90 <= res["coverage"] <= 0.99, res
 
@@ -147,3 +102,73 @@ def test_pooling_is_what_makes_few_chain_intervals_honest():
         return st.coverage(simulate, -2.0, reps=400, seed=3)["coverage"]
 
     assert sim(True) >= 0.92 and sim(False) < sim(True)
+
+
+def test_scaled_constant_recovers_c_and_pools_by_inverse_variance():
+    rng = np.random.default_rng(0)
+    vals = {n: 1.5 / n * rng.gamma(4.0, 0.25, 2000) for n in (64, 256, 1024)}
+    c, se = st.scaled_constant(vals, n_min=128)
+    assert abs(c - 1.5) < 3 * se and se < 0.03
+    # exact pooling on a two-point case: equal errors give the plain average of n x mean
+    two = {10: np.array([1.0, 3.0]), 20: np.array([0.5, 1.5])}
+    assert st.scaled_constant(two) == pytest.approx((20.0, 10 / math.sqrt(2)))
+    assert st.scaled_constant(vals, power=2.0)[0] > 100  # n^2 x value is not flat: no constant, large number
+    with pytest.raises(ValueError, match="n_min"):
+        st.scaled_constant(vals, n_min=4096)
+    with pytest.raises(ValueError, match="values_by_n"):
+        st.scaled_constant({8: [1.0, -1.0]})
+
+
+def test_paired_ratio_uses_the_pairing():
+    rng = np.random.default_rng(1)
+    base = {n: rng.lognormal(0.0, 1.0, 50) / n for n in (32, 64, 128)}
+    num = {n: 0.5 * v * rng.lognormal(0.0, 0.05, v.size) for n, v in base.items()}
+    r, lo, hi = st.paired_ratio(num, base)
+    assert lo < 0.5 < hi and hi / lo < 1.05  # paired: the seed-to-seed spread cancels
+    shuffled = {n: rng.permutation(v) for n, v in base.items()}
+    _, lo_s, hi_s = st.paired_ratio(num, shuffled)
+    assert hi_s / lo_s > 1.3  # unpaired values give a much wider interval
+    with pytest.raises(ValueError, match="denominator_by_n"):
+        st.paired_ratio(num, {n: v[:-1] for n, v in base.items()})
+
+
+def test_steps_per_decade():
+    assert st.steps_per_decade(0.1) == pytest.approx(1.0)
+    assert st.steps_per_decade(0.9) == pytest.approx(21.854, abs=1e-3)
+    with pytest.raises(ValueError, match="mu"):
+        st.steps_per_decade(1.0)
+
+
+def test_gamma_design_reads_the_design_and_simulates_the_truth():
+    rng = np.random.default_rng(2)
+    ns = (32, 64, 128, 256)
+    measured = {n: 3.0 / n * rng.gamma(2.0, 0.5, 80) for n in ns}  # shape 2, 80 seeds
+    sim = st.gamma_design(measured, truth=-1.5)
+    assert list(sim.design["ns"]) == list(ns) and sim.design["seeds"] == 80
+    assert sim.design["shape"] == pytest.approx(2.0, rel=0.3)
+    fits = [sim(np.random.default_rng(s)) for s in range(40)]
+    assert abs(np.mean([f.slope for f in fits]) + 1.5) < 0.05
+    assert st.coverage(sim, -1.5, reps=200, seed=3)["coverage"] >= 0.9
+    assert st.coverage(sim, -1.0, reps=50, seed=3)["coverage"] < 0.1  # a wrong truth is not covered
+    with pytest.raises(ValueError, match="stat"):
+        st.gamma_design(measured, stat="mode")
+    with pytest.raises(ValueError, match="values_by_n"):
+        st.gamma_design({32: [1.0, 2.0, 3.0]})
+
+
+def test_chain_design_simulates_the_truth_with_the_measured_chain_noise():
+    rng = np.random.default_rng(4)
+    R0 = np.array([[1.0, 0.5, 0.0], [0.2, -0.3, 0.1]])
+    ns = (16, 32, 64, 128)
+    measured = {n: R0 * 128 / n + 0.2 * np.linalg.norm(R0 * 128 / n) * rng.standard_normal((6, 2, 3)) for n in ns}
+    sim = st.chain_design(measured, np.eye(3), truth=-2.0)
+    assert sim.design["chains"] == 6
+    assert all(0.1 < q < 0.3 for q in sim.design["rel_noise"].values())
+    assert st.coverage(sim, -2.0, reps=200, seed=5)["coverage"] >= 0.9
+    shallow = st.chain_design(measured, np.eye(3), truth=-1.0, n_min=32)
+    assert list(shallow.design["ns"]) == [32.0, 64.0, 128.0]
+    assert abs(np.mean([shallow(np.random.default_rng(s)).slope for s in range(30)]) + 1.0) < 0.1
+    with pytest.raises(ValueError, match="residuals_by_n"):
+        st.chain_design({16: np.zeros((2, 2, 3))}, np.eye(3))
+    with pytest.raises(ValueError, match="n_min"):
+        st.chain_design(measured, np.eye(3), n_min=100)
