@@ -169,7 +169,7 @@ def softmax_scale(A, B, Sigma: SigmaLike) -> float:
     For a query ``q = Sigma^{1/2} z`` and ``a = B^T q``, the exponent of the
     effective sample size is ``a^T Sigma a = z^T C^T C z``; for
     ``q ~ N(0, Sigma)`` (``z`` standard normal), ``E_q exp(a^T Sigma a)`` is
-    finite iff this value is below :data:`HEAVY_TAIL_THRESHOLD` ``= 1/2``.
+    finite iff this value is below :data:`~attnlib.finite_n.HEAVY_TAIL_THRESHOLD` ``= 1/2``.
     It is ``||C||_2^2`` (operator norm, not Frobenius); at a balanced minimum
     of a task it equals the top singular value ``s_1(T)`` of ``T = M Sigma^{1/2}``.
     ``A`` is only validated (the scale does not depend on it); the argument
