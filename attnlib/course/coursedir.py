@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .handout import _nbgrader, exercise_start, nbgrader_ids, read_notebook, source_notebook
+from .handout import _nbgrader, book_notebooks, exercise_start, nbgrader_ids, read_notebook, source_notebook
 from .submissions import SubmissionError, inspect_submission, suspicious_code
 
 __all__ = [
@@ -217,11 +217,7 @@ def _student_id(path: Path, chapter: str) -> str:
 def _handouts(book: Path) -> Dict[str, tuple]:
     """``{chapter: (nbgrader ids, cell ids)}`` of every chapter's exercise section, from the masters."""
     out = {}
-    for p in sorted(book.glob("*.ipynb")):
-        try:
-            nb = read_notebook(p)
-        except ValueError:
-            continue
+    for p, nb in book_notebooks(book):
         start = exercise_start(nb)
         if start is None:
             continue

@@ -159,15 +159,20 @@ def _clean_meta(cell) -> dict:
     return meta
 
 
+def book_notebooks(book: Path):
+    """Yield ``(path, notebook)`` for every readable ``*.ipynb`` in ``book``, sorted; unreadable ones are skipped."""
+    for p in sorted(Path(book).glob("*.ipynb")):
+        try:
+            yield p, read_notebook(p)
+        except ValueError:
+            continue
+
+
 def _chapter_titles(book: Path) -> Dict[str, str]:
     from .myst import title_of
 
     out = {}
-    for p in sorted(book.glob("*.ipynb")):
-        try:
-            nb = read_notebook(p)
-        except ValueError:
-            continue
+    for p, nb in book_notebooks(book):
         for c in nb["cells"]:
             if c.get("cell_type") == "markdown" and title_of(_source(c)):
                 out[p.stem] = title_of(_source(c))
