@@ -20,10 +20,15 @@ variable ``ATTNLIB_NUM_THREADS``).
 """
 
 import importlib
+import importlib.metadata
 import sys
 import types
 
-__version__ = "0.2.0"
+# the one version number is pyproject.toml's; an uninstalled checkout reports "0+unknown"
+try:
+    __version__ = importlib.metadata.version("attnlib")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source tree without install
+    __version__ = "0+unknown"
 
 #: public name -> the submodule that defines it
 _EXPORTS = {

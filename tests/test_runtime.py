@@ -1,6 +1,7 @@
 """Thread policy and seed streams: one place each."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +100,11 @@ def test_derive_seed_streams_are_distinct_and_validated():
         al.derive_seed(-1, "sequence")
     with pytest.raises(ValueError, match="index"):
         al.derive_seed(1, "sequence", -2)
+
+
+def test_version_is_the_package_metadata():
+    """One version number: attnlib.__version__ is what pyproject.toml declares (via the metadata)."""
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert al.__version__ == declared
