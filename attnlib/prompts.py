@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_dtype
-from .kernels import ENGINES, kernel_loss, resolve_engine
 from .geometry import manifold_point
+from .kernels import ENGINES, kernel_loss, resolve_engine
 from .renorm import ScaledStructuredStep, renormalize_scaled, softmax_scale
 from .rng import make_generator
 from .task import SigmaLike, Task, as_covariance
