@@ -135,6 +135,7 @@ def _kernel_source(d: int) -> str:
         "    P = XT.shape[0]",
         "    n = XT.shape[2]",
         "    m = QB.shape[1]",
+        "    k = A.shape[0]",
         "    z = QB[0, 0, 0] - QB[0, 0, 0]  # a zero of the input dtype (QB is finite)",
         "    nblk = (m + block - 1) // block",
         "    for item in prange(P * nblk):",
@@ -166,7 +167,22 @@ def _kernel_source(d: int) -> str:
         "                        c = v",
         "            inv = 1 / Z",
     ]
-    body += [f"            out[b, i, {t}] = {name} * inv" for t, name in enumerate(acc[1:])]
+    body += [f"            {name} *= inv" for name in acc[1:]]
+    body += [f"            out[b, i, {t}] = {name}" for t, name in enumerate(acc[1:])]
+    # per query: r = A o - y, g = A^T r, h = (M - o o^T) g (the 1/N of the loss is applied by the caller)
+    body += [f"            g{a} = z" for a in range(d)]
+    body += [
+        "            for kk in range(k):",
+        "                r = " + " + ".join(f"A[kk, {a}] * o{a}" for a in range(d)) + " - Yq[b, i, kk]",
+        "                R[b, i, kk] = r",
+    ]
+    body += [f"                g{a} += A[kk, {a}] * r" for a in range(d)]
+    body += ["            og = " + " + ".join(f"o{a} * g{a}" for a in range(d))]
+    sym = lambda a, c: f"m{min(a, c)}{max(a, c)}"  # noqa: E731
+    body += [
+        f"            H[b, i, {a}] = " + " + ".join(f"{sym(a, c)} * g{c}" for c in range(d)) + f" - o{a} * og"
+        for a in range(d)
+    ]
     body += ["    return out"]
     text = "\n".join(body)
     head = [
@@ -185,7 +201,7 @@ def _kernel_source(d: int) -> str:
         funcs += [
             "",
             f"@njit(cache=True, fastmath=True, nogil=True, parallel={par})",
-            f"def {name}(XT, QB, xmax, out, block, tiny):",
+            f"def {name}(XT, QB, xmax, A, Yq, out, R, H, block, tiny):",
             text,
             "",
         ]
@@ -269,29 +285,43 @@ def moments(B, X, queries=None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _moments(B.detach(), X.detach(), Q.detach())
 
 
-def _moments(B, X, Q):
+def _run_kernel(B, X, Q, A=None, Yq=None):
+    """The moment pass: ``(O, Mpacked, R, H)``, numpy arrays in ``X``'s dtype (``R``, ``H`` need ``A``, ``Yq``)."""
     P, n, d = X.shape
     m = Q.shape[1]
     mod = _kernel_module(d)
     XT = X.transpose(1, 2).contiguous().numpy()
     QB = (Q @ B).contiguous().numpy()
     xmax = X.norm(dim=2).amax(dim=1).contiguous().numpy()
-    T = d + d * (d + 1) // 2
-    out = np.empty((P, m, T), dtype=XT.dtype)
+    if A is None:
+        A_np, Y_np = np.zeros((0, d), dtype=XT.dtype), np.zeros((P, m, 0), dtype=XT.dtype)
+    else:
+        A_np, Y_np = A.contiguous().numpy(), Yq.contiguous().numpy()
+    k = A_np.shape[0]
+    out = np.empty((P, m, d + d * (d + 1) // 2), dtype=XT.dtype)
+    R = np.empty((P, m, k), dtype=XT.dtype)
+    H = np.empty((P, m, d), dtype=XT.dtype)
     threads = _threads()
+    args = (XT, QB, xmax, A_np, Y_np, out, R, H, _BLOCK, _TINY[X.dtype])
     if threads > 1:
         import numba
 
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        mod.moments_parallel(XT, QB, xmax, out, _BLOCK, _TINY[X.dtype])
+        mod.moments_parallel(*args)
     else:
-        mod.moments_serial(XT, QB, xmax, out, _BLOCK, _TINY[X.dtype])
-    out = torch.from_numpy(out)
+        mod.moments_serial(*args)
+    return out[:, :, :d], out[:, :, d:], R, H
+
+
+def _moments(B, X, Q):
+    d = X.shape[2]
+    O, Mp, _, _ = _run_kernel(B, X, Q)
+    Mp = torch.from_numpy(np.ascontiguousarray(Mp))
     iu = torch.triu_indices(d, d)
-    M = out.new_empty(P, m, d, d)
-    M[:, :, iu[0], iu[1]] = out[:, :, d:]
-    M[:, :, iu[1], iu[0]] = out[:, :, d:]
-    return out[:, :, :d], M
+    M = Mp.new_empty(*Mp.shape[:2], d, d)
+    M[:, :, iu[0], iu[1]] = Mp
+    M[:, :, iu[1], iu[0]] = Mp
+    return torch.from_numpy(np.ascontiguousarray(O)), M
 
 
 def _as_batch(A, B, X, Y, queries):
@@ -340,16 +370,17 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
 
 
 def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None):
-    O, M = _moments(B, X3, Q3)
+    O, _, R, H = _run_kernel(B, X3, Q3, A, Y3)
     f8 = torch.float64
-    O, M, A8, Y8, Q8 = O.to(f8), M.to(f8), A.to(f8), Y3.to(f8), Q3.to(f8)
+    d, k = X3.shape[2], A.shape[0]
     P, N = Q3.shape[0], Q3.shape[1]
-    r = O @ A8.T - Y8  # (P, N, k)
-    loss = 0.5 * (r * r).sum() / (N * P)
-    gA = torch.einsum("bik,bid->kd", r, O) / (N * P)
-    g = (r @ A8) / (N * P)  # (P, N, d): A^T r_i / N, averaged over prompts
-    h = torch.einsum("bicd,bid->bic", M, g) - O * (O * g).sum(dim=2, keepdim=True)
-    gB = torch.einsum("bia,bic->ac", Q8, h)
+    O = torch.from_numpy(np.ascontiguousarray(O).reshape(-1, d)).to(f8)
+    R = torch.from_numpy(R.reshape(-1, k)).to(f8)
+    H = torch.from_numpy(H.reshape(-1, d)).to(f8)
+    scale = 1.0 / (N * P)
+    loss = (0.5 * scale) * (R * R).sum()
+    gA = (R.T @ O) * scale
+    gB = (Q3.reshape(-1, d).to(f8).T @ H) * scale
     dt = X3.dtype if out_dtype is None else out_dtype
     return loss.to(dt), gA.to(dt), gB.to(dt)
 
@@ -385,3 +416,11 @@ def kernel_loss(A, B, X, Y, *, queries=None) -> torch.Tensor:
     if why:
         raise ValueError(f"X: the moment kernel cannot run here ({why})")
     return _KernelLoss.apply(A, B, X3, Y3, Q3)
+
+
+def _kernel_loss_unchecked(A, B, X3, Y3, Q3=None) -> torch.Tensor:
+    """:func:`kernel_loss` on already validated (P, n, d) tokens, (P, m, k) targets and (P, m, d) queries.
+
+    For callers that validated their data once (the regime-(ii) objective's own prompts): no checks here.
+    """
+    return _KernelLoss.apply(A, B, X3, Y3, X3 if Q3 is None else Q3)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_dtype
 from .geometry import manifold_point
-from .kernels import ENGINES, kernel_loss, resolve_engine
+from .kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
 from .renorm import ScaledStructuredStep, renormalize_scaled, softmax_scale
 from .rng import make_generator
 from .task import SigmaLike, Task, as_covariance
@@ -120,7 +120,19 @@ def limit_losses(A, B, Sigma: SigmaLike, X, Y) -> torch.Tensor:
     d = X.shape[2]
     A = check_matrix(A, "A", (None, d)).to(X)
     B = check_matrix(B, "B", (d, d)).to(X)
+    return _limit_losses(A, B, S, X, Y)
+
+
+def _limit_losses(A, B, S, X, Y) -> torch.Tensor:
+    """:func:`limit_losses` without the checks (validated inputs, ``S`` the covariance matrix)."""
     out = X @ (A @ S @ B.T).T
+    return 0.5 * ((out - Y) ** 2).sum(dim=(1, 2)) / X.shape[1]
+
+
+def _prompt_losses(A, B, X, Y) -> torch.Tensor:
+    """:func:`prompt_losses` without the checks (validated inputs of one dtype)."""
+    kv = X[:, None]
+    out = F.scaled_dot_product_attention((X @ B)[:, None], kv, kv, scale=1.0)[:, 0] @ A.T
     return 0.5 * ((out - Y) ** 2).sum(dim=(1, 2)) / X.shape[1]
 
 
@@ -170,22 +182,37 @@ class PromptObjective:
         self.calls += 1
         return sample_prompts(self.task, self.n, self.prompts, generator=self.gen)
 
+    def _check(self, A, B, X, Y):
+        X, Y = _check_prompts(X, Y)
+        d, k = self.task.d, self.task.k
+        if X.shape[2] != d or Y.shape[2] != k:
+            raise ValueError(f"X, Y: expected prompts of dimension d = {d}, k = {k}, got {X.shape[2]}, {Y.shape[2]}")
+        check_matrix(A, "A", (k, d))
+        check_matrix(B, "B", (d, d))
+        return X.to(self.task.Sigma), Y.to(self.task.Sigma)
+
     def attention_loss(self, A, B, X, Y) -> torch.Tensor:
         """``mean_b Lhat_n(theta; X_b)`` with this objective's engine and attention dtype (0-dim, differentiable)."""
-        Xa, Ya = X.to(self.attention_dtype), Y.to(self.attention_dtype)
-        if resolve_engine(self.engine, Xa) == "kernel":
-            return kernel_loss(A, B, Xa, Ya).to(A.dtype)
-        return prompt_losses(A.to(Xa.dtype), B.to(Xa.dtype), Xa, Ya).mean().to(A.dtype)
+        return self._attention_loss(A, B, *self._check(A, B, X, Y))
 
     def estimate(self, A, B, X, Y) -> torch.Tensor:
         """The estimate on given prompts ``(X, Y)`` (no draw)."""
-        if not self.control_variate:
-            return self.attention_loss(A, B, X, Y)
-        corr = self.attention_loss(A, B, X, Y) - limit_losses(A, B, self.task, X, Y).mean()
-        return self.task.population_loss(A, B) + corr
+        return self._estimate(A, B, *self._check(A, B, X, Y))
 
     def __call__(self, A, B, idx=None) -> torch.Tensor:
-        return self.estimate(A, B, *self.draw())
+        return self._estimate(A, B, *self.draw())  # the objective's own draws: validated once, by construction
+
+    def _attention_loss(self, A, B, X, Y) -> torch.Tensor:
+        Xa, Ya = X.to(self.attention_dtype), Y.to(self.attention_dtype)
+        if resolve_engine(self.engine, Xa) == "kernel":
+            return _kernel_loss_unchecked(A, B, Xa, Ya).to(A.dtype)
+        return _prompt_losses(A.to(Xa.dtype), B.to(Xa.dtype), Xa, Ya).mean().to(A.dtype)
+
+    def _estimate(self, A, B, X, Y) -> torch.Tensor:
+        if not self.control_variate:
+            return self._attention_loss(A, B, X, Y)
+        corr = self._attention_loss(A, B, X, Y) - _limit_losses(A, B, self.task.Sigma, X, Y).mean()
+        return self.task.population_loss(A, B) + corr
 
 
 class _AveragingRecorder(Recorder):
