@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_matrix, check_samples
-from .kernels import kernel_loss, resolve_engine
+from .kernels import _kernel_loss_unchecked, resolve_engine
 from .task import SigmaLike, as_covariance
 
 __all__ = ["attention", "attention_reference", "attention_weights", "attention_limit", "empirical_loss"]
@@ -120,7 +120,16 @@ def empirical_loss(
     if queries is not None and not (isinstance(queries, torch.Tensor) and queries.dtype == torch.long):
         raise ValueError("queries: expected a LongTensor of row indices into X")
     if fused and resolve_engine(engine, X) == "kernel":
-        return kernel_loss(A, B, X, Y, queries=queries)
+        if Y.requires_grad:
+            raise ValueError("Y: the moment kernel differentiates in A and B only; use engine='sdpa'")
+        d = X.shape[1]
+        A = check_matrix(A, "A", (Y.shape[1], d))
+        B = check_matrix(B, "B", (d, d))
+        if queries is None:
+            return _kernel_loss_unchecked(A, B, X[None], Y[None])
+        if queries.dim() != 1 or queries.numel() == 0 or int(queries.min()) < 0 or int(queries.max()) >= X.shape[0]:
+            raise ValueError(f"queries: expected a 1-d LongTensor of row indices in 0 .. {X.shape[0] - 1}")
+        return _kernel_loss_unchecked(A, B, X[None], Y[queries][None], X[queries][None])
     layer = attention if fused else attention_reference
     if queries is None:
         out, target = layer(A, B, X), Y
