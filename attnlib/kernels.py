@@ -49,6 +49,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -242,20 +243,27 @@ def _kernel_module(d: int):
         return _LOADED[d]
     if not _LOADED:
         _configure_numba()
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"attnlib_moments_d{d}.py"
     src = _kernel_source(d)
-    if not path.exists() or path.read_text() != src:  # rewriting would invalidate numba's cache
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(src)
-        os.replace(tmp, path)
+    try:
+        path = _write_source(cache_dir(), d, src)
+    except OSError:  # a read-only home (some containers): a private folder in the temporary directory
+        path = _write_source(Path(tempfile.gettempdir()) / f"attnlib-kernels-{os.getuid()}", d, src)
     spec = importlib.util.spec_from_file_location(f"attnlib_moments_d{d}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # numba's cache rebuilds the kernel's environment by importing it by name
     spec.loader.exec_module(mod)
     _LOADED[d] = mod
     return mod
+
+
+def _write_source(folder: Path, d: int, src: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"attnlib_moments_d{d}.py"
+    if not path.exists() or path.read_text() != src:  # rewriting an equal file would invalidate numba's cache
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(src)
+        os.replace(tmp, path)
+    return path
 
 
 def _threads() -> int:
