@@ -146,13 +146,15 @@ def main(argv=None) -> int:
         worst = max(worst, abs(z))
         lines.append(
             f"| {label} | {n} | {len(runs)} | {e64['excess']:.4e} | {e64['se']:.1e} | {e32['excess']:.4e} "
-            f"| {e32['se']:.1e} | {z:+.1e} | {R64.var(axis=0, ddof=1).sum():.3e} | {R32.var(axis=0, ddof=1).sum():.3e} |"
+            f"| {e32['se']:.1e} | {z:+.1e} | {R64.var(axis=0, ddof=1).sum():.3e} "
+            f"| {R32.var(axis=0, ddof=1).sum():.3e} |"
         )
     lines += ["", f"Largest |difference| / s.e.: {worst:.1e}.", ""]
     lines += [
         "**CPU seconds per run** (median over the runs measured; the old engine on chain 0 only)",
         "",
-        "| n | runs of the design | sdpa64 (old) | kernel64 (new default) | kernel32 | old / kernel64 | old / kernel32 |",
+        "| n | runs of the design | sdpa64 (old) | kernel64 (new default) | kernel32 | old / kernel64 "
+        "| old / kernel32 |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     per_n = defaultdict(lambda: defaultdict(list))
