@@ -93,6 +93,7 @@ _SUBMODULES = {
     "fits",
     "geometry",
     "init",
+    "kernels",
     "landscape",
     "linalg",
     "plotting",
