@@ -119,9 +119,12 @@ def empirical_loss(
     X, Y = check_samples(X, Y)
     if queries is not None and not (isinstance(queries, torch.Tensor) and queries.dtype == torch.long):
         raise ValueError("queries: expected a LongTensor of row indices into X")
-    if fused and resolve_engine(engine, X) == "kernel":
-        if Y.requires_grad:
+    use_kernel = fused and resolve_engine(engine, X) == "kernel"
+    if use_kernel and Y.requires_grad:  # "auto" falls back to SDPA; an explicit "kernel" cannot
+        if engine == "kernel":
             raise ValueError("Y: the moment kernel differentiates in A and B only; use engine='sdpa'")
+        use_kernel = False
+    if use_kernel:
         d = X.shape[1]
         A = check_matrix(A, "A", (Y.shape[1], d))
         B = check_matrix(B, "B", (d, d))

@@ -221,6 +221,13 @@ def test_engine_resolution_and_bad_input():
     with pytest.raises(ValueError, match="^X"):
         K.kernel_loss(A, B, X.clone().requires_grad_(), Y)
     with pytest.raises(ValueError, match="^Y"):
+        al.empirical_loss(A, B, X, Y.clone().requires_grad_(), engine="kernel")
+    Yg, Xg = Y.clone().requires_grad_(), X.clone().requires_grad_()
+    for Xa, Ya in ((X, Yg), (Xg, Y)):  # "auto" falls back to SDPA where the data need a gradient
+        loss = al.empirical_loss(A, B, Xa, Ya, engine="auto")
+        assert loss.requires_grad
+        assert float(loss.detach()) == pytest.approx(float(al.empirical_loss(A, B, X, Y)), rel=1e-12)
+    with pytest.raises(ValueError, match="^Y"):
         K.loss_and_grad(A, B, X, Y[:5])
     with pytest.raises(ValueError, match="^A"):
         K.loss_and_grad(A[:, :3], B, X, Y)
