@@ -98,6 +98,7 @@ _SUBMODULES = {
     "fits",
     "geometry",
     "init",
+    "kernels",
     "landscape",
     "linalg",
     "plotting",

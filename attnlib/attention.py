@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_matrix, check_samples
+from .kernels import _kernel_loss_unchecked, resolve_engine
 from .task import SigmaLike, as_covariance
 
 __all__ = ["attention", "attention_reference", "attention_weights", "attention_limit", "empirical_loss"]
@@ -99,19 +100,42 @@ def attention_limit(A, B, Sigma: SigmaLike, queries) -> torch.Tensor:
     return Q @ B @ Sigma @ A.T
 
 
-def empirical_loss(A, B, X, Y, *, queries: Optional[torch.Tensor] = None, fused: bool = True) -> torch.Tensor:
+def empirical_loss(
+    A, B, X, Y, *, queries: Optional[torch.Tensor] = None, fused: bool = True, engine: str = "sdpa"
+) -> torch.Tensor:
     r"""``Lhat_n(A, B) = 1/(2n) sum_i ||f(x_i; X) - y_i||^2`` on one sequence.
 
     With ``queries`` given as a LongTensor of row indices, the mean runs over
     those rows only (the keys are still all ``n`` tokens): the minibatch loss of
     SGD. ``fused=False`` uses :func:`attention_reference`.
+
+    ``engine`` chooses how the (fused) loss and its gradient are computed: ``"sdpa"`` (default)
+    :func:`attention` and autograd, differentiable in everything, twice; ``"kernel"``
+    :func:`attnlib.kernels.kernel_loss`, one moment pass that returns the loss and saves its gradient
+    in ``A`` and ``B`` (CPU, ``d <= 8``, numba; ``X``, ``Y`` are data; about 2.5x (float64) to 5x
+    (float32) faster, ``benchmarks/kernel.md``); ``"auto"`` the kernel where it applies, else SDPA
+    (CUDA). Values and gradients agree to round-off (``tests/test_kernels.py``).
     """
     X, Y = check_samples(X, Y)
+    if queries is not None and not (isinstance(queries, torch.Tensor) and queries.dtype == torch.long):
+        raise ValueError("queries: expected a LongTensor of row indices into X")
+    use_kernel = fused and resolve_engine(engine, X) == "kernel"
+    if use_kernel and Y.requires_grad:  # "auto" falls back to SDPA; an explicit "kernel" cannot
+        if engine == "kernel":
+            raise ValueError("Y: the moment kernel differentiates in A and B only; use engine='sdpa'")
+        use_kernel = False
+    if use_kernel:
+        d = X.shape[1]
+        A = check_matrix(A, "A", (Y.shape[1], d))
+        B = check_matrix(B, "B", (d, d))
+        if queries is None:
+            return _kernel_loss_unchecked(A, B, X[None], Y[None])
+        if queries.dim() != 1 or queries.numel() == 0 or int(queries.min()) < 0 or int(queries.max()) >= X.shape[0]:
+            raise ValueError(f"queries: expected a 1-d LongTensor of row indices in 0 .. {X.shape[0] - 1}")
+        return _kernel_loss_unchecked(A, B, X[None], Y[queries][None], X[queries][None])
     layer = attention if fused else attention_reference
     if queries is None:
         out, target = layer(A, B, X), Y
     else:
-        if not (isinstance(queries, torch.Tensor) and queries.dtype == torch.long):
-            raise ValueError("queries: expected a LongTensor of row indices into X")
         out, target = layer(A, B, X, queries=X[queries]), Y[queries]
     return 0.5 * torch.sum((out - target) ** 2) / out.shape[0]

@@ -10,7 +10,8 @@ minimized with fresh prompts at every step. Ingredients (each tested in ``tests/
 
 * :func:`sample_prompts`, :func:`batched_attention`, :func:`prompt_losses`: ``P`` prompts of ``n``
   tokens at once, through the fused kernel (``scaled_dot_product_attention`` on a
-  ``(P, 1, n, d)`` batch);
+  ``(P, 1, n, d)`` batch); in training, the mean loss and its gradient come from the moment kernel
+  :func:`attnlib.kernels.kernel_loss` on CPU (one pass over the pairs, no backward; SDPA on CUDA);
 * :class:`PromptObjective`: the stochastic objective for :func:`attnlib.train.run`. With the
   control variate (default) one evaluation is
   ``L(theta) + mean_b [Lhat_n(theta; X_b) - Lhat_lim(theta; X_b)]``, where
@@ -39,8 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_matrix, check_nonneg_float, check_positive_int
+from ._validate import check_matrix, check_nonneg_float, check_positive_int, resolve_dtype
 from .geometry import manifold_point
+from .kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
 from .renorm import ScaledStructuredStep, renormalize_scaled, softmax_scale
 from .rng import make_generator
 from .task import SigmaLike, Task, as_covariance
@@ -118,7 +120,19 @@ def limit_losses(A, B, Sigma: SigmaLike, X, Y) -> torch.Tensor:
     d = X.shape[2]
     A = check_matrix(A, "A", (None, d)).to(X)
     B = check_matrix(B, "B", (d, d)).to(X)
+    return _limit_losses(A, B, S, X, Y)
+
+
+def _limit_losses(A, B, S, X, Y) -> torch.Tensor:
+    """:func:`limit_losses` without the checks (validated inputs, ``S`` the covariance matrix)."""
     out = X @ (A @ S @ B.T).T
+    return 0.5 * ((out - Y) ** 2).sum(dim=(1, 2)) / X.shape[1]
+
+
+def _prompt_losses(A, B, X, Y) -> torch.Tensor:
+    """:func:`prompt_losses` without the checks (validated inputs of one dtype)."""
+    kv = X[:, None]
+    out = F.scaled_dot_product_attention((X @ B)[:, None], kv, kv, scale=1.0)[:, 0] @ A.T
     return 0.5 * ((out - Y) ** 2).sum(dim=(1, 2)) / X.shape[1]
 
 
@@ -130,29 +144,75 @@ class PromptObjective:
     ``mean_b Lhat_n(X_b)`` (``control_variate=False``) or
     ``L(A, B) + mean_b [Lhat_n(X_b) - Lhat_lim(X_b)]`` (default). ``idx`` is ignored.
     ``calls`` counts the evaluations (= batches drawn).
+
+    ``engine``: how ``mean_b Lhat_n(X_b)`` and its gradient are computed: ``"auto"`` (default) the
+    moment kernel :func:`attnlib.kernels.kernel_loss` on CPU (one pass, no backward), SDPA and
+    autograd on CUDA; ``"kernel"`` or ``"sdpa"`` to choose (equal to round-off,
+    ``tests/test_kernels.py``). ``attention_dtype``: the dtype of that attention part (default: the
+    task's); ``torch.float32`` runs it in float32 on the same prompts (drawn in the task's dtype) with
+    the sums over queries and the control variate in the task's dtype.
     """
 
-    def __init__(self, task: Task, n: int, prompts: int, generator: torch.Generator, control_variate: bool = True):
+    def __init__(
+        self,
+        task: Task,
+        n: int,
+        prompts: int,
+        generator: torch.Generator,
+        control_variate: bool = True,
+        *,
+        engine: str = "auto",
+        attention_dtype=None,
+    ):
         self.task = _check_task(task)
         self.n = check_positive_int(n, "n")
         self.prompts = check_positive_int(prompts, "prompts")
         self.gen = make_generator(None, generator)
         self.control_variate = bool(control_variate)
+        if engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+        self.engine = engine
+        try:
+            self.attention_dtype = task.dtype if attention_dtype is None else resolve_dtype(attention_dtype)
+        except ValueError as err:
+            raise ValueError(f"attention_dtype: {str(err).split(': ', 1)[1]}") from None
         self.calls = 0
 
     def draw(self):
         self.calls += 1
         return sample_prompts(self.task, self.n, self.prompts, generator=self.gen)
 
+    def _check(self, A, B, X, Y):
+        X, Y = _check_prompts(X, Y)
+        d, k = self.task.d, self.task.k
+        if X.shape[2] != d or Y.shape[2] != k:
+            raise ValueError(f"X, Y: expected prompts of dimension d = {d}, k = {k}, got {X.shape[2]}, {Y.shape[2]}")
+        check_matrix(A, "A", (k, d))
+        check_matrix(B, "B", (d, d))
+        return X.to(self.task.Sigma), Y.to(self.task.Sigma)
+
+    def attention_loss(self, A, B, X, Y) -> torch.Tensor:
+        """``mean_b Lhat_n(theta; X_b)`` with this objective's engine and attention dtype (0-dim, differentiable)."""
+        return self._attention_loss(A, B, *self._check(A, B, X, Y))
+
     def estimate(self, A, B, X, Y) -> torch.Tensor:
         """The estimate on given prompts ``(X, Y)`` (no draw)."""
-        if not self.control_variate:
-            return prompt_losses(A, B, X, Y).mean()
-        corr = (prompt_losses(A, B, X, Y) - limit_losses(A, B, self.task, X, Y)).mean()
-        return self.task.population_loss(A, B) + corr
+        return self._estimate(A, B, *self._check(A, B, X, Y))
 
     def __call__(self, A, B, idx=None) -> torch.Tensor:
-        return self.estimate(A, B, *self.draw())
+        return self._estimate(A, B, *self.draw())  # the objective's own draws: validated once, by construction
+
+    def _attention_loss(self, A, B, X, Y) -> torch.Tensor:
+        Xa, Ya = X.to(self.attention_dtype), Y.to(self.attention_dtype)
+        if resolve_engine(self.engine, Xa) == "kernel":
+            return _kernel_loss_unchecked(A, B, Xa, Ya).to(A.dtype)
+        return _prompt_losses(A.to(Xa.dtype), B.to(Xa.dtype), Xa, Ya).mean().to(A.dtype)
+
+    def _estimate(self, A, B, X, Y) -> torch.Tensor:
+        if not self.control_variate:
+            return self._attention_loss(A, B, X, Y)
+        corr = self._attention_loss(A, B, X, Y) - _limit_losses(A, B, self.task.Sigma, X, Y).mean()
+        return self.task.population_loss(A, B) + corr
 
 
 class _AveragingRecorder(Recorder):
@@ -211,6 +271,8 @@ def run_chain(
     control_variate: bool = True,
     init=None,
     keep_every: int = 10,
+    engine: str = "auto",
+    attention_dtype=None,
 ) -> ChainResult:
     """The structured algorithm on the expected loss ``L_n`` (regime (ii)), one chain.
 
@@ -219,7 +281,8 @@ def run_chain(
     updates draws ``prompts`` fresh prompts (:class:`PromptObjective`), takes the step of
     :class:`attnlib.renorm.ScaledStructuredStep` (preconditioner ``Sigma^{-1}``; no regularizer)
     and renormalizes. The limit map ``A Sigma B^T`` is averaged over iterates ``burn_in .. steps``.
-    The seeds of independent chains must differ (e.g. ``derive_seed``).
+    The seeds of independent chains must differ (e.g. ``derive_seed``). ``engine`` and
+    ``attention_dtype``: as in :class:`PromptObjective`.
     """
     task = _check_task(task)
     n = check_positive_int(n, "n")
@@ -238,7 +301,7 @@ def run_chain(
         B = check_matrix(init[1], "init[1] (B)", (task.d, task.d)).to(task.Sigma)
     step = ScaledStructuredStep(lr, task, mode, kappa)
     A, B = renormalize_scaled(A, B, task, mode, kappa)
-    loss = PromptObjective(task, n, prompts, gen, control_variate)
+    loss = PromptObjective(task, n, prompts, gen, control_variate, engine=engine, attention_dtype=attention_dtype)
     objective = Objective(loss, geometry=task)
     hist = History(
         method="structured",
@@ -251,6 +314,8 @@ def run_chain(
             mode=mode,
             kappa=kappa,
             control_variate=control_variate,
+            engine=engine,
+            attention_dtype=str(loss.attention_dtype).replace("torch.", ""),
             objective="expected loss L_n",
         ),
     )

@@ -1,0 +1,97 @@
+"""A vectorizable exponential for numba kernels (imported by :mod:`attnlib.kernels` only when numba is installed).
+
+:func:`exp_nonpos` (inside compiled code; :func:`exp_array` for a whole array) is our own
+exponential: Cody-Waite range reduction ``x = k ln 2 + r``, a polynomial for ``exp(r)`` (Taylor to
+degree 12 in float64, Cephes' ``expf`` polynomial in float32) and ``2^k`` built from its bits,
+branch-free so that LLVM vectorizes the loop (numba has no vector ``exp`` without Intel's SVML,
+which the registry's llvmlite does not use). Arguments are clamped at -700 (float32: -87): a
+smaller argument gives a weight below ``e^-700`` (``e^-87``) of the largest one, zero to the
+precision of the sums. Measured relative error (``tests/test_kernels.py``): below 1e-15 for
+arguments in [-1, 0] and 3e-14 over [-700, 0] in float64 (the compiler's fast-math reassociation
+merges the two halves of ``ln 2``, so the error grows with ``|x|``), 3e-7 in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+__all__ = ["exp_nonpos", "exp_array"]
+
+
+@intrinsic
+def _bits_to_float(typingctx, x):
+    """Reinterpret the bits of an int64 (int32) as a float64 (float32)."""
+    if x == types.int64:
+        sig, llty = types.float64(types.int64), ir.DoubleType()
+    elif x == types.int32:
+        sig, llty = types.float32(types.int32), ir.FloatType()
+    else:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llty)
+
+    return sig, codegen
+
+
+def exp_nonpos(x):  # pragma: no cover - replaced in compiled code by the overload below
+    """``exp(x)`` for a float32 or float64 scalar ``x <= 0`` inside numba-compiled code."""
+    raise NotImplementedError
+
+
+@overload(exp_nonpos, inline="always")
+def _exp_nonpos_impl(x):
+    if x == types.float64:
+
+        def impl64(x):
+            x = max(x, -700.0)
+            k = np.floor(x * 1.4426950408889634 + 0.5)
+            r = x - k * 0.6931471803691238  # ln 2, high part (exact product for |k| < 2^21)
+            r = r - k * 1.9082149292705877e-10  # ln 2, low part
+            # exp(r), |r| <= 0.347: Taylor to degree 12 (truncation < 2e-16 relative)
+            p = 2.08767569878681e-09
+            p = p * r + 2.505210838544172e-08
+            p = p * r + 2.755731922398589e-07
+            p = p * r + 2.7557319223985893e-06
+            p = p * r + 2.48015873015873e-05
+            p = p * r + 0.0001984126984126984
+            p = p * r + 0.001388888888888889
+            p = p * r + 0.008333333333333333
+            p = p * r + 0.041666666666666664
+            p = p * r + 0.16666666666666666
+            p = p * r + 0.5
+            p = p * r + 1.0
+            p = p * r + 1.0
+            return p * _bits_to_float((np.int64(k) + np.int64(1023)) << np.int64(52))
+
+        return impl64
+    if x == types.float32:
+
+        def impl32(x):
+            x = max(x, np.float32(-87.0))
+            k = np.floor(x * np.float32(1.442695) + np.float32(0.5))
+            r = x - k * np.float32(0.693359375)  # ln 2, high part (9 bits)
+            r = r - k * np.float32(-2.12194440e-4)  # ln 2, low part
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            p = p * r * r + r + np.float32(1.0)
+            return p * _bits_to_float(np.int32((np.int32(k) + np.int32(127)) << np.int32(23)))
+
+        return impl32
+    return None
+
+
+@njit(cache=True, fastmath=True)
+def exp_array(x):
+    """``exp(x)`` elementwise for a 1-d float32 or float64 array of arguments ``<= 0`` (for tests)."""
+    out = np.empty_like(x)
+    for j in range(x.shape[0]):
+        out[j] = exp_nonpos(x[j])
+    return out
