@@ -30,7 +30,6 @@ to its chapter by its cell ids.
 from __future__ import annotations
 
 import json
-import pprint
 import re
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -50,7 +49,6 @@ EXERCISES_HEADING = "## Exercises"
 #: Cells with one of these tags exist only for the book and are not in a student's version.
 BOOK_ONLY_TAGS = frozenset({"solution-markup", "remove-cell", "book-only"})
 _CHECK = re.compile(r"""exercises\.check\(\s*["'](?P<key>[\d.]+)["']\s*,\s*(?P<fn>[A-Za-z_]\w*)\s*\)""")
-_HIDDEN_FN = "_attnlib_hidden_test"
 
 
 def read_notebook(path) -> dict:
@@ -114,26 +112,15 @@ def _setup_cell(nb: dict, start: int, chapter: str) -> dict:
 
 
 def hidden_test(key: str, fn: str) -> str:
-    """The hidden-test region for the graded cell of exercise ``key`` whose function is ``fn``.
+    """The hidden-test region of the graded cell of exercise ``key`` whose function is ``fn``.
 
-    The grader's source (:mod:`attnlib.course.hidden`) is pasted into one
-    function so that it defines no name in the student's namespace except
-    that function's; the spec is a literal computed now by the library.
+    The region only names the exercise: the grade is decided outside the
+    student's kernel (:class:`attnlib.course.grading.GradeInSandbox`) on
+    hidden cases drawn from the release's seed, which is not in any notebook.
     """
-    from . import exercises, hidden
-
-    src = Path(hidden.__file__).read_text(encoding="utf-8")
-    body = "\n".join(("    " + line) if line.strip() else "" for line in src.splitlines())
-    spec = pprint.pformat(exercises.hidden_spec(key), width=110, compact=True, sort_dicts=False)
-    spec = "\n".join("    " + line for line in ("SPEC = " + spec).splitlines())
     return (
         "### BEGIN HIDDEN TESTS\n"
-        f"def {_HIDDEN_FN}(fn):\n"
-        f'    """Hidden test of exercise {key}: the grader of attnlib.course.hidden and the fixed cases."""\n\n'
-        f"{body}\n\n"
-        f"{spec}\n"
-        "    return grade(fn, SPEC)\n\n\n"
-        f"{_HIDDEN_FN}({fn})\n"
+        f"# graded by attnlib.course: {fn} on the hidden cases of exercise {key}, outside this notebook\n"
         "### END HIDDEN TESTS"
     )
 
@@ -199,22 +186,27 @@ optimum*. Read the chapter first; the exercises build on its results and notatio
 
 * **Functions.** Write each function in the code cell under its exercise, in place of
   `raise NotImplementedError()`, and keep its name. Then run the check cell after it: {checks}.
-  Your grade comes from hidden tests on the same cases, run when the notebook is graded.
+  Your grade comes from hidden tests on other cases of the same kind, drawn when the assignment
+  was released and run outside your notebook when it is graded.
 * **Library functions.** You may call the library (`al`, from `attnlib`) where an exercise says so.
   An answer that *is* a library function, or that calls the library function the exercise asks
   you to write, earns no points.
 * **Derivations and explanations** go in the answer cells (`YOUR ANSWER HERE`), in Markdown with
   `$...$` for formulas; they are graded by hand.
-* The grey cells (this one, the import cell below and the check cells) are locked: do not delete
-  or change them, they are restored when the notebook is graded. Put your own imports in your
-  solution cells.
+* This cell, the import cell below and the check cells are read-only (JupyterLab does not let
+  you edit or delete them); if one is changed anyway, the original is used for grading. Put your
+  own imports in your solution cells, and keep your code in functions: grading runs your code
+  cells without the check cells, with a time limit, and without access to files.
 * Before you hand in: *Kernel, Restart Kernel and Run All Cells*, and check that every cell ran."""
 
 
-def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
+def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerprint: Optional[str] = None) -> dict:
     """The nbgrader source notebook (a dict, nbformat 4) of ``chapter``'s exercise section.
 
     ``hints=False`` makes the visible checks give no hints (for graded use).
+    ``fingerprint`` (a release's, see :func:`attnlib.course.coursedir.release`)
+    goes into the notebook metadata as ``{"attnlib": {"chapter", "release"}}``,
+    so that ``collect`` can tell a handout of this release from anything else.
     Raises ``ValueError`` naming the argument if the chapter does not exist or
     has no exercise section, and for a graded cell that does not call
     ``exercises.check("<key>", <function>)``.
@@ -295,4 +287,5 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
                 src = visible.rstrip() + "\n" + hidden_test(m["key"], m["fn"])
             cells.append(_code_cell(cell, src))
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
+    meta["attnlib"] = {"chapter": chapter, "release": fingerprint}
     return {"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": max(5, nb.get("nbformat_minor", 5))}
