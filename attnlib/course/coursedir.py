@@ -571,6 +571,8 @@ def _report(root: Path, chapter: str, s: str, release_nb: dict, collected: dict,
     for line in record.get("sanitized", []):
         flags.append(f"{line} (raw HTML or a script link in the student's Markdown)")
     msgs = {}
+    for name, err in record.get("cell_errors", {}).items():
+        problems.append(f"cell {name} raised {err}")
     for gid, v in record.get("verdicts", {}).items():
         flags += v["flags"]
         if not v["passed"]:

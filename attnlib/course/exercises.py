@@ -578,6 +578,7 @@ class Verdict:
     message: str
     flags: List[str]
     fatal_cell: str | None = None
+    cell_errors: Dict[str, str] | None = None
 
     def __post_init__(self):
         self.flags = list(dict.fromkeys(self.flags))  # each flag once
@@ -589,6 +590,13 @@ def _last(events, key):
 
 
 def judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
+    """:func:`_judge`, with the errors of the student's own cells (``cell_errors``) attached."""
+    v = _judge(key, answer, seed, timeout)
+    v.cell_errors = {e["cell"]: e["error"] for e in answer["events"] if "cell" in e and "error" in e}
+    return v
+
+
+def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
     """The verdict on the worker's ``answer`` (:meth:`attnlib.course.hidden.Sandbox.run`) for exercise ``key``.
 
     Expected values are computed here, in the instructor's process, from
@@ -623,8 +631,10 @@ def judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
     if answer.get("timed_out") or not any("end" in e for e in events) and _last(events, "missing") is None:
         started = [e for e in events if e.get("start")]
         last = started[-1] if started else None
-        if last is not None and "cell" in last and not any(
-            e.get("cell") == last["cell"] and not e.get("start") for e in events
+        if (
+            last is not None
+            and "cell" in last
+            and not any(e.get("cell") == last["cell"] and not e.get("start") for e in events)
         ):
             where, fatal = f"cell {last['cell']}", last["cell"]
         elif last is not None and "case" in last:
@@ -647,8 +657,9 @@ def judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         return Verdict(False, f"{head}: {fail}; no points for this exercise", flags)
     missing = _last(events, "missing")
     if missing is not None:
-        errors = [e for e in events if "cell" in e and "error" in e]
-        cause = f" (cell {errors[-1]['cell']} raised {errors[-1]['error']})" if errors else ""
+        recent = answer.get("recent")
+        errors = [e for e in events if "cell" in e and "error" in e and (recent is None or e["cell"] in recent)]
+        cause = f" (cell {errors[-1]['cell']} raised {errors[-1]['error']})" if errors else answer.get("why", "")
         what = "is not defined" if missing["missing"] is None else f"is a {missing['missing']}, not a function"
         return Verdict(False, f"{head}: {name} {what}{cause}", flags)
     cases = hidden_cases(key, seed)

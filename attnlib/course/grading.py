@@ -175,7 +175,9 @@ class GradeInSandbox(NbGraderPreprocessor):
         )
         setup_src = _strip_magics("".join(setup["source"]) if setup else "")
         box = sandbox(root, self.timeout)
-        own, fatal, verdicts = [], set(), {}
+        own, fatal, verdicts, cell_errors, since = [], set(), {}, {}, 0
+        released_ids = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in released["cells"]}
+        present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells}
         for i, cell in enumerate(nb.cells):
             meta = cell.metadata.get("nbgrader", {})
             if cell.cell_type != "code":
@@ -193,17 +195,23 @@ class GradeInSandbox(NbGraderPreprocessor):
                     cases = [[encode(a) for a in args] for _, args in hidden_cases(m["key"], seed)]
                     cells = [c for c in own if c[0] not in fatal]
                     answer = box.run(setup_src, cells, m["fn"], cases, ex.forbidden)
+                    answer["recent"] = [c[0] for c in own[since:]]
+                    if f"{gid}-solution" in released_ids and f"{gid}-solution" not in present:
+                        answer["why"] = f" (the solution cell {gid}-solution is missing)"
                     v = judge(m["key"], answer, seed, self.timeout)
                     if v.fatal_cell:
                         fatal.add(v.fatal_cell)
                     msg, passed, flags = v.message, v.passed, v.flags
+                    for name, err in v.cell_errors.items():
+                        cell_errors.setdefault(name, err)
                 clean = "".join(ch if ch >= " " else " " for ch in msg)
                 if passed:
                     cell.outputs = [new_output("stream", name="stdout", text=clean + "\n")]
                 else:
                     cell.outputs = [new_output("error", ename="ExerciseError", evalue=clean, traceback=[clean])]
                 verdicts[gid] = {"passed": passed, "message": msg, "flags": flags}
+                since = len(own)
             elif not meta.get("locked"):
                 own.append((meta.get("grade_id") or str(i + 1), _strip_magics(cell.source)))
-        _update_record(resources, verdicts=verdicts, skipped_cells=sorted(fatal))
+        _update_record(resources, verdicts=verdicts, skipped_cells=sorted(fatal), cell_errors=cell_errors)
         return nb, resources
