@@ -611,6 +611,11 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
     events = answer["events"]
     flags: List[str] = []
     fail = None
+    recent = answer.get("recent")
+
+    def earlier(phase):  # a cell of an earlier exercise: its own graded cell paid for it
+        return recent is not None and str(phase).startswith("cell ") and str(phase)[5:] not in recent
+
     for e in events:
         if "forbidden" in e and str(e.get("phase", "")).startswith("case"):
             msg = f"{name} calls {e['forbidden']}, a library function that does what the exercise asks you to write"
@@ -619,10 +624,10 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         if "blocked" in e:
             where = e.get("phase", "")
             flags.append(f"exercise {key}: the student's code tried {e['blocked']} ({where}); refused")
-            if e.get("serious"):
+            if e.get("serious") and not earlier(where):
                 fail = fail or f"the student's code tried {e['blocked']} ({where}), which grading refuses"
     for e in events:
-        if e.get("exit"):
+        if e.get("exit") and not ("cell" in e and earlier(f"cell {e['cell']}")):
             where = f"cell {e['cell']}" if "cell" in e else f"{name} on hidden case {e['case'] + 1}"
             msg = f"the student's code called exit() or sys.exit() (SystemExit in {where})"
             flags.append(f"exercise {key}: {msg}")
@@ -657,7 +662,6 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         return Verdict(False, f"{head}: {fail}; no points for this exercise", flags)
     missing = _last(events, "missing")
     if missing is not None:
-        recent = answer.get("recent")
         errors = [e for e in events if "cell" in e and "error" in e and (recent is None or e["cell"] in recent)]
         cause = f" (cell {errors[-1]['cell']} raised {errors[-1]['error']})" if errors else answer.get("why", "")
         what = "is not defined" if missing["missing"] is None else f"is a {missing['missing']}, not a function"

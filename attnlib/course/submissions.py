@@ -184,7 +184,22 @@ def inspect_submission(
 
 _MODULE_IMPORTS = (ast.Import, ast.ImportFrom)
 _CALLS = {"setattr", "delattr", "exec", "eval", "compile", "__import__", "get_ipython", "globals", "vars"}
-_MODULES = {"builtins", "gc", "ctypes", "inspect", "importlib", "sys", "IPython", "ipykernel"}
+_MODULES = {
+    "builtins",
+    "gc",
+    "ctypes",
+    "inspect",
+    "importlib",
+    "sys",
+    "IPython",
+    "ipykernel",
+    "subprocess",
+    "multiprocessing",
+    "threading",
+    "_thread",
+    "signal",
+    "socket",
+}
 _SYS_ATTRS = {"setprofile", "settrace", "modules", "excepthook", "_getframe"}
 
 
@@ -209,12 +224,15 @@ def suspicious_code(nb: dict) -> List[str]:
     (``exercises.check = ...``, ``al.to_factor = ...``, ``torch.allclose = ...``),
     calls of ``setattr``, ``exec``, ``eval``, ``get_ipython`` and the like,
     imports of ``builtins``, ``gc``, ``ctypes``, ``sys``, ``inspect``,
-    ``importlib`` or IPython, and ``sys.setprofile``/``settrace``/``modules``.
+    ``importlib``, IPython, ``subprocess``, threads, signals or sockets,
+    ``sys.setprofile``/``settrace``/``modules``, and top-level rebinding of a
+    name that the handout's locked cells or Python's builtins define
+    (``np = ...``, ``def float(x): ...``).
     Locked cells (the handout's own) are skipped; cells that do not parse
     are skipped (their error is reported by grading).
     """
     trees = []
-    modules = set()
+    modules, handout_names = set(), set()
     for i, cell in enumerate(nb["cells"], 1):
         if cell.get("cell_type") != "code":
             continue
@@ -231,8 +249,25 @@ def suspicious_code(nb: dict) -> List[str]:
                 modules.update(a.asname or a.name for a in node.names)
         if not meta.get("locked"):
             trees.append((meta.get("grade_id") or f"cell {i}", tree))
+        else:
+            for node in tree.body:
+                if isinstance(node, ast.Assign):
+                    handout_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    import builtins
+
+    handout_names |= modules | set(dir(builtins))
     out = []
     for name, tree in trees:
+        for node in tree.body:  # the names the handout (or Python) defines, rebound by the student
+            bound = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bound = [t.id for t in targets if isinstance(t, ast.Name)]
+            for b in bound:
+                if b in handout_names and not b.startswith("__"):
+                    out.append(f"{name}, line {node.lineno}: rebinds {b}, a name of the handout or of Python")
         for node in ast.walk(tree):
             what = None
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
