@@ -617,7 +617,7 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         return recent is not None and str(phase).startswith("cell ") and str(phase)[5:] not in recent
 
     for e in events:
-        if "forbidden" in e and str(e.get("phase", "")).startswith("case"):
+        if "forbidden" in e and str(e.get("phase", "")).startswith("hidden case"):
             msg = f"{name} calls {e['forbidden']}, a library function that does what the exercise asks you to write"
             fail = fail or msg
             flags.append(f"exercise {key}: {msg}")

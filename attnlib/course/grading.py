@@ -66,6 +66,8 @@ def _reasons(text: str) -> list:
             url = tok.attrGet(attr) if tok.attrs else None
             if url and _unsafe_link(str(url)):
                 out.append(f"a link to {str(url).split(':', 1)[0]}:")
+            elif url and attr == "src" and ":" in str(url).split("/")[0]:
+                out.append("an image from another site")  # it would be fetched when the page is shown
     return list(dict.fromkeys(out))
 
 

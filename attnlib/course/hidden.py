@@ -431,7 +431,7 @@ def _worker(job, fd):
         exit_(0)
     for i, enc in enumerate(job["cases"]):
         args = tuple(decode(a) for a in enc)
-        state["phase"] = f"case {i}"
+        state["phase"] = f"hidden case {i + 1}"
         report({"case": i, "start": True})
         try:
             result = fn(*args)
