@@ -55,10 +55,9 @@ ATTACKS = {
     "gc_scan": "import gc\ndef my_attention(A, B, X):\n    for o in gc.get_objects():\n"
     "        if isinstance(o, dict) and 'expected' in o:\n            return o['expected']\n    return A\n",
     "inspect_stack": "import inspect\ndef my_attention(A, B, X):\n    return inspect.stack()[1].frame.f_locals['x']\n",
-    "read_source": "import attnlib.attention as m\nexec(open(m.__file__).read().replace('def attention_reference', "
-    "'def my_attention'))\n",
-    "read_course": "import glob\nsrc = [open(p).read() for p in glob.glob('/**/source/ch1_model/*.ipynb', "
-    "recursive=True)]\n" + ZERO,
+    "read_source": "import sys\nsrc = open(sys.modules['attnlib.attention'].__file__).read()\n"
+    "exec(src.replace('def attention_reference', 'def my_attention'))\n",
+    "read_course": "import json\nSRC = json.load(open({source!r}))\n" + ZERO,
     "subprocess": "import subprocess, sys\ndef my_attention(A, B, X):\n    subprocess.run([sys.executable, '-c', "
     "'print(1)'])\n    return A\n",
     "kill_grader": "import os\nos.kill(os.getppid(), 9)\n" + ZERO,
@@ -114,6 +113,9 @@ def redteam(tmp_path_factory):
     sol = _solutions()
     visible = [EXERCISES["1.1"].reference(*args).tolist() for _, args in EXERCISES["1.1"].cases(VISIBLE_SEED)]
     attacks = dict(ATTACKS)
+    attacks["read_course"] = ATTACKS["read_course"].replace(
+        "{source!r}", repr(str(root / "source" / CH / f"{CH}.ipynb"))
+    )
     attacks["pasted_visible"] = (
         f"VALUES = {visible!r}\ncalls = []\ndef my_attention(A, B, X):\n    calls.append(1)\n"
         "    return torch.tensor(VALUES[(len(calls) - 1) % len(VALUES)], dtype=torch.float64)\n"
