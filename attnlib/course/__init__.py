@@ -3,9 +3,11 @@ r"""Course assignments from the book's chapters, with nbgrader.
 This subpackage is not loaded by ``import attnlib`` (the maths core). The
 chapter notebooks in ``book/`` are the single master of the book, the tests
 and the assignments; the course version of a chapter is its exercise section
-(:mod:`attnlib.course.handout`), graded by hidden tests whose expected values
-are fixed at release (:mod:`attnlib.course.hidden`). The graders the book and
-the students call are in :mod:`attnlib.course.exercises`.
+(:mod:`attnlib.course.handout`), graded on hidden cases drawn at release from
+a secret seed, each graded cell in a guarded worker process that never sees
+an expected value (:mod:`attnlib.course.hidden`, :mod:`attnlib.course.grading`).
+The one grader behind the book's checks and the grade is
+:mod:`attnlib.course.exercises`.
 
 The commands wrap nbgrader's own workflow in an nbgrader course directory
 (:mod:`attnlib.course.coursedir`): release the chosen chapters once, collect
@@ -19,7 +21,10 @@ many submissions, autograde them all, export the gradebook::
     python -m attnlib.course export course/ --to grades.csv
     python -m attnlib.course feedback course/ ch1_model
 
-``collect`` rejects files that cannot be graded with a one-line reason;
+``collect`` rejects files that cannot be graded with a one-line reason (not a
+notebook, a symbolic link, a bad student id, a duplicated grade id, an
+instructor's notebook, not a handout of this release); ``grade`` grades one
+student at a time and gives each a status (``graded`` or ``not graded: cause``);
 ``collect`` and ``grade`` exit with status 1 when a submission was rejected
 or had problems (a deleted or edited graded cell, an error in the student's
 own cells, a timeout), 2 on an error in the command itself, 0 otherwise.
@@ -134,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="chapters with graded exercises")
     s = sub.add_parser("init", help="create an nbgrader course folder")
     s.add_argument("course")
-    s.add_argument("--timeout", type=int, default=120, help="seconds a cell may run when autograded")
+    s.add_argument("--timeout", type=int, default=120, help="seconds the hidden test of one graded cell may run")
     s = sub.add_parser("release", help="release chapters: source/ and the student versions in release/")
     s.add_argument("course")
     s.add_argument("chapters", nargs="+")

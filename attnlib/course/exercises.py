@@ -15,7 +15,7 @@ solution cell in the chapter::
         forbidden=("attnlib.module.library_function",),  # ... which the answer may not call
     )
 
-``cases(seed)`` draws its inputs from ``seed`` only (through :func:`_gen`, a
+``cases(seed)`` draws its inputs from ``seed`` only (through ``_gen``, a
 ``torch.Generator``, or ``np.random.default_rng(_mix(seed, base))``):
 ``seed = 0`` gives the visible cases that the book and the handouts check; a
 release draws its own secret seed for the hidden cases
@@ -590,14 +590,14 @@ def _last(events, key):
 
 
 def judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
-    """:func:`_judge`, with the errors of the student's own cells (``cell_errors``) attached."""
+    """``_judge``, with the errors of the student's own cells (``cell_errors``) attached."""
     v = _judge(key, answer, seed, timeout)
     v.cell_errors = {e["cell"]: e["error"] for e in answer["events"] if "cell" in e and "error" in e}
     return v
 
 
 def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
-    """The verdict on the worker's ``answer`` (:meth:`attnlib.course.hidden.Sandbox.run`) for exercise ``key``.
+    """The verdict on the worker's ``answer`` (``Sandbox.run``) for exercise ``key``.
 
     Expected values are computed here, in the instructor's process, from
     the release ``seed``; the worker never had them. Forbidden library calls

@@ -18,10 +18,13 @@ into the notebook an nbgrader course keeps in ``source/<chapter>/``:
 * the solution cells as they are (nbgrader's ``generate_assignment``
   replaces the ``### BEGIN SOLUTION`` regions by stubs and the written
   answer cells by ``YOUR ANSWER HERE``);
-* every graded cell with a hidden test appended: the self-contained grader
-  of :mod:`attnlib.course.hidden` and the exercise's cases and expected
-  values as literals (:func:`attnlib.course.exercises.hidden_spec`), and
-  with ``hints=False`` in the visible check for a release without hints.
+* every graded cell with a hidden-test region that only names the exercise
+  (:func:`hidden_test`; the grade is decided outside the student's kernel, on
+  hidden cases drawn from the release's secret seed, see
+  :mod:`attnlib.course.grading`), and with ``hints=False`` in the visible
+  check for a release without hints;
+* the release's fingerprint in the notebook metadata (``attnlib``), by which
+  ``collect`` tells a handout of this release from any other notebook.
 
 Cell ids of the kept cells are the master's, so a submission can be traced
 to its chapter by its cell ids.

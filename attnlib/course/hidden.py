@@ -12,7 +12,7 @@ from a *zygote* process (which imported torch, numpy and the whole of
    ``functools.partial``, a wrapper, a bound method, a lazy object whose
    ``__float__`` calls them, a call deferred to the result's conversion)
    ends in the trap, and the original code is not kept anywhere;
-3. installs an audit hook (:func:`sys.addaudithook`, which cannot be removed)
+3. installs an audit hook (``sys.addaudithook``, which cannot be removed)
    that refuses, and reports, reading the library's, the book's or the course's
    files, writing any file, starting processes, ``ctypes``, sockets, ``gc``'s
    object lists and the interpreter's frames (``sys._getframe``,
@@ -561,7 +561,7 @@ class Sandbox:
     ``timeout`` is the limit, in seconds, of one worker; ``sensitive`` are
     folders whose files a worker may not read (the course folder, the book;
     the library's own folder is always one). Use as a context manager, or call
-    :meth:`close`.
+    ``close()``.
     """
 
     def __init__(self, timeout: float = 120.0, sensitive=()):
