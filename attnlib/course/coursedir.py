@@ -349,6 +349,11 @@ def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectR
             sid = _student_id(f, chapter)
             nb, problems = inspect_submission(f, chapter, handout, handouts, fingerprint)
             node = nbformat.from_dict(_normalized(nb))
+            try:
+                nbformat.validate(node)
+            except nbformat.ValidationError as exc:
+                first = str(exc).strip().splitlines()[0][:200]
+                raise SubmissionError(f"{f}: not a valid notebook (nbformat: {first})") from None
         except SubmissionError as exc:
             result.rejected[str(f)] = str(exc)
             continue

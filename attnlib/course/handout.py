@@ -128,15 +128,11 @@ def hidden_test(key: str, fn: str) -> str:
     )
 
 
-def _code_cell(cell, source: str) -> dict:
-    return {
-        "cell_type": "code",
-        "execution_count": None,
-        "id": cell["id"],
-        "metadata": _clean_meta(cell),
-        "outputs": [],
-        "source": source,
-    }
+def _code_cell(cell, source: str):
+    """An nbformat code cell with the master's id and cleaned metadata."""
+    from nbformat.v4 import new_code_cell
+
+    return new_code_cell(source, id=cell["id"], metadata=_clean_meta(cell))
 
 
 def _clean_meta(cell) -> dict:
@@ -204,7 +200,7 @@ optimum*. Read the chapter first; the exercises build on its results and notatio
 
 
 def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerprint: Optional[str] = None) -> dict:
-    """The nbgrader source notebook (a dict, nbformat 4) of ``chapter``'s exercise section.
+    """The nbgrader source notebook (an nbformat 4 ``NotebookNode``, validated) of ``chapter``'s exercise section.
 
     ``hints=False`` makes the visible checks give no hints (for graded use).
     ``fingerprint`` (a release's, see :func:`attnlib.course.coursedir.release`)
@@ -214,6 +210,9 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
     has no exercise section, and for a graded cell that does not call
     ``exercises.check("<key>", <function>)``.
     """
+    import nbformat
+    from nbformat.v4 import new_markdown_cell, new_notebook
+
     from . import BOOK_DIR
     from .exercises import EXERCISES
     from .myst import labels_of, read_bib, to_markdown
@@ -237,27 +236,11 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
 
     title = docs.get(chapter, chapter)
     setup = _setup_cell(nb, start, chapter)
-    cells = [
-        {
-            "cell_type": "markdown",
-            "id": f"handout-{chapter}"[:64],
-            "metadata": {
-                "nbgrader": {
-                    "grade": False,
-                    "grade_id": "handout-header",
-                    "locked": True,
-                    "schema_version": 3,
-                    "solution": False,
-                    "task": False,
-                }
-            },
-            "source": _header(chapter, title, hints),
-        }
-    ]
-    setup_meta = {"grade": False, "grade_id": "setup", "locked": True, "schema_version": 3, "solution": False}
-    setup_meta["task"] = False
+    lock = {"grade": False, "locked": True, "schema_version": 3, "solution": False, "task": False}
+    header = {"nbgrader": dict(lock, grade_id="handout-header")}
+    cells = [new_markdown_cell(_header(chapter, title, hints), id=f"handout-{chapter}"[:64], metadata=header)]
     cells.append(_code_cell(setup, _source(setup)))
-    cells[-1]["metadata"]["nbgrader"] = setup_meta
+    cells[-1]["metadata"]["nbgrader"] = dict(lock, grade_id="setup")
 
     inside = False
     for cell in nb["cells"][start:]:
@@ -277,7 +260,7 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
             text = convert(src)
             if not text.strip() and not grader:
                 continue
-            cells.append({"cell_type": "markdown", "id": cell["id"], "metadata": _clean_meta(cell), "source": text})
+            cells.append(new_markdown_cell(text, id=cell["id"], metadata=_clean_meta(cell)))
         elif cell.get("cell_type") == "code":
             if grader.get("grade"):
                 m = _CHECK.search(src)
@@ -291,4 +274,6 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
             cells.append(_code_cell(cell, src))
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
     meta["attnlib"] = {"chapter": chapter, "release": fingerprint}
-    return {"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": max(5, nb.get("nbformat_minor", 5))}
+    out = new_notebook(cells=cells, metadata=meta)
+    nbformat.validate(out)
+    return out

@@ -8,7 +8,7 @@ notebook front end renders (headings, bold lead-ins, block quotes, ``$$``
 math), so the handouts need no JupyterLab extension. Maths in ``$...$`` and
 ``$$...$$`` is left alone: every front end renders it with MathJax.
 
-Standard library only.
+The references are read with pybtex; the rest is the standard library.
 """
 
 from __future__ import annotations
@@ -203,15 +203,14 @@ def _clean_tex(s: str) -> str:
 
 
 def read_bib(path) -> Dict[str, str]:
-    """``{key: "Goel et al. 2026"}`` for the entries of a BibTeX file (authors' last names and year)."""
-    text = Path(path).read_text(encoding="utf-8")
+    """``{key: "Goel et al. 2026"}`` for the entries of a BibTeX file (authors' last names and year), read by pybtex."""
+    from pybtex.database import parse_file
+
     out = {}
-    for m in re.finditer(r"@\w+\s*\{\s*([^,\s]+)\s*,(.*?)\n\}", text, re.S):
-        key, body = m.group(1), m.group(2)
-        author = re.search(r"author\s*=\s*\{(.*?)\},?\s*\n", body, re.S)
-        year = re.search(r"year\s*=\s*\{?(\d{4})", body)
-        names = [a.strip() for a in author.group(1).split(" and ")] if author else []
-        last = [_clean_tex(a.split(",")[0] if "," in a else a.split()[-1]) for a in names if a]
+    for key, entry in parse_file(str(path), bib_format="bibtex").entries.items():
+        people = entry.persons.get("author", [])
+        last = [_clean_tex(" ".join(p.prelast_names + p.last_names)) for p in people]
         who = last[0] + " et al." if len(last) > 2 else " and ".join(last) if last else key
-        out[key] = f"{who} {year.group(1)}" if year else who
+        year = entry.fields.get("year")
+        out[key] = f"{who} {year}" if year else who
     return out
