@@ -655,7 +655,7 @@ def feedback(course, chapter: str) -> Path:
     """nbgrader's HTML feedback for every autograded submission of ``chapter``; returns ``feedback/``.
 
     Every page gets a Content-Security-Policy that allows no script and no
-    fetch (:data:`CSP`), and loses nbgrader's scripts and external style
+    fetch (``CSP``), and loses nbgrader's scripts and external style
     sheets: formulas show as TeX source. The students' Markdown was made
     safe when it was graded (:class:`attnlib.course.grading.SanitizeSubmission`).
     """
