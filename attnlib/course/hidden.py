@@ -483,6 +483,18 @@ def _preimport():
     _refs()
 
 
+def _limit_memory(extra: int) -> None:
+    """Address space: what the worker has now (torch and the library) plus ``extra`` bytes."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as fh:
+            now = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (now + extra, now + extra))
+    except (OSError, ValueError):  # pragma: no cover - not Linux
+        pass
+
+
 def _serve():
     """The zygote: read one job per line on stdin, fork a worker for it, answer one line on stdout."""
     import select
@@ -508,6 +520,7 @@ def _serve():
                     os.dup2(null, fd)
                 os.chdir(job["cwd"])
                 sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+                _limit_memory(job.get("memory", 4 << 30))
                 _worker(job, w)
             finally:
                 os._exit(0)
