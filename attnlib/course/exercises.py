@@ -254,6 +254,9 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.attention.attention",
                 "attnlib.attention.attention_reference",
                 "attnlib.attention.attention_weights",
+                "attnlib.finite_n.*",
+                "attnlib.landscape.*",
+                "attnlib.prompts.*",
             ),
         ),
         Exercise(
@@ -263,7 +266,13 @@ EXERCISES: Dict[str, Exercise] = {
             "check the normalization: a factor 1/2, a mean over the n queries, and a squared norm of "
             "each k-dimensional residual (do not divide by n k)",
             reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
-            forbidden=("attnlib.attention.empirical_loss", "attnlib.finite_n.*"),
+            forbidden=(
+                "attnlib.attention.empirical_loss",
+                "attnlib.finite_n.*",
+                "attnlib.landscape.*",
+                "attnlib.prompts.*",
+                "attnlib.train.*",
+            ),
         ),
         Exercise(
             "2.1",
@@ -276,6 +285,8 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.task.Task.excess_risk",
                 "attnlib.task.Task.population_loss",
                 "attnlib.task.Task.residual",
+                "attnlib.landscape.*",
+                "attnlib.train.*",
             ),
         ),
         Exercise(
@@ -290,6 +301,7 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.task.Task.excess_risk",
                 "attnlib.task.Task.population_loss",
                 "attnlib.train.*",
+                "attnlib.landscape.*",
             ),
         ),
         Exercise(
@@ -347,7 +359,7 @@ EXERCISES: Dict[str, Exercise] = {
             "find the one scalar c for which At / c and c C have equal Frobenius norms, and carry the "
             "rescaling back to (A, B)",
             reference=lambda A, B, S: renormalize(A, B, S, mode="scale"),
-            forbidden=("attnlib.geometry.renormalize", "attnlib.train.*"),
+            forbidden=("attnlib.geometry.renormalize", "attnlib.renorm.*", "attnlib.train.*"),
         ),
         Exercise(
             "5.2",
@@ -355,7 +367,7 @@ EXERCISES: Dict[str, Exercise] = {
             lambda seed=0: _cases_population(seed, with_lr=True),
             "write a plain gradient step in factor coordinates and carry it back to (A, B) with the chain rule",
             reference=_precond_step,
-            forbidden=("attnlib.train.*",),
+            forbidden=("attnlib.train.*", "attnlib.renorm.*"),
         ),
         Exercise(
             "6.1",
@@ -365,7 +377,7 @@ EXERCISES: Dict[str, Exercise] = {
             "slope, not its intercept",
             reference=lambda x, y: fit_power_law(x, y).slope,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*"),
+            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
         ),
         Exercise(
             "6.2",
@@ -374,7 +386,7 @@ EXERCISES: Dict[str, Exercise] = {
             "take logarithms of the values: what is then linear in the steps, and how is its slope related to mu?",
             reference=fit_geometric_rate,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*"),
+            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
         ),
     )
 }
