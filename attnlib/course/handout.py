@@ -145,6 +145,34 @@ def _clean_meta(cell) -> dict:
     return meta
 
 
+def _book_only_removed(cells: List[dict]) -> List[dict]:
+    """The cells without the book's: tagged ``BOOK_ONLY_TAGS``, or inside a solution dropdown (nbconvert's TagRemove).
+
+    Cells between ``{solution-start}`` and ``{solution-end}`` that are not
+    nbgrader solution cells (the worked solution's explanation) are tagged
+    ``book-only`` first, then nbconvert's ``TagRemovePreprocessor`` drops every
+    tagged cell.
+    """
+    import copy
+
+    import nbformat
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
+    marked, inside = [], False
+    for cell in copy.deepcopy(cells):
+        src = _source(cell)
+        inside = inside or "{solution-start}" in src
+        if inside and not _nbgrader(cell).get("solution"):
+            meta = cell.setdefault("metadata", {})
+            meta["tags"] = list(meta.get("tags", [])) + ["book-only"]
+        inside = inside and "{solution-end}" not in src
+        marked.append(cell)
+    node = nbformat.from_dict({"cells": marked, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+    pre = TagRemovePreprocessor(remove_cell_tags=set(BOOK_ONLY_TAGS), enabled=True)
+    node, _ = pre.preprocess(node, {})
+    return node.cells
+
+
 def book_notebooks(book: Path):
     """Yield ``(path, notebook)`` for every readable ``*.ipynb`` in ``book``, sorted; unreadable ones are skipped."""
     for p in sorted(Path(book).glob("*.ipynb")):
@@ -242,20 +270,9 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
     cells.append(_code_cell(setup, _source(setup)))
     cells[-1]["metadata"]["nbgrader"] = dict(lock, grade_id="setup")
 
-    inside = False
-    for cell in nb["cells"][start:]:
+    for cell in _book_only_removed(nb["cells"][start:]):
         src = _source(cell)
         grader = _nbgrader(cell)
-        tags = set(_meta(cell).get("tags", []))
-        opens, closes = "{solution-start}" in src, "{solution-end}" in src
-        if opens:
-            inside = True
-        if closes:
-            inside = False
-        if tags & BOOK_ONLY_TAGS or opens or closes:
-            continue
-        if inside and not grader.get("solution"):
-            continue
         if cell.get("cell_type") == "markdown":
             text = convert(src)
             if not text.strip() and not grader:
