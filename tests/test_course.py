@@ -1,8 +1,9 @@
 """Assignments with nbgrader: handouts, hidden tests, the course workflow, bad submissions.
 
-Every chapter's handout and hidden tests are checked without running nbgrader's kernels (fast);
-the nbgrader plumbing (release, collect, one autograde run over several students, export) runs
-once, for chapter 1.
+Every chapter's handout and hidden tests are checked without nbgrader (the guarded worker of
+attnlib.course.hidden on the worked solutions and the stubs); the nbgrader plumbing (release,
+collect, autograde student by student, export) runs once, for chapter 1. The adversarial
+submissions are in tests/test_redteam.py.
 """
 
 import copy

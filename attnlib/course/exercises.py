@@ -635,7 +635,8 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
             flags.append(f"exercise {key}: {msg}")
         if "blocked" in e:
             where = e.get("phase", "")
-            flags.append(f"exercise {key}: the student's code tried {e['blocked']} ({where}); refused")
+            shown = f"while {name} ran" if str(where).startswith("hidden case") else f"in {where}"
+            flags.append(f"exercise {key}: the student's code tried {e['blocked']} {shown}; refused")
             if e.get("serious") and not earlier(where):
                 fail = fail or f"the student's code tried {e['blocked']} ({where}), which grading refuses"
     for e in events:
