@@ -161,6 +161,7 @@ def redteam(tmp_path_factory):
     make("other_chapter", edit=lambda nb: nb["metadata"]["attnlib"].update(chapter="ch2_population"), folder=bad)
     make("other_release", edit=lambda nb: nb["metadata"]["attnlib"].update(release="0" * 16), folder=bad)
     make("no_fingerprint", edit=lambda nb: nb["metadata"].pop("attnlib"), folder=bad)
+    make("bad_schema", edit=lambda nb: nb["cells"][1].update(execution_count="one"), folder=bad)
     make(".hidden", folder=bad)
     make("-rf", folder=bad)
     (bad / "up").mkdir()
@@ -227,6 +228,7 @@ def test_collect_rejects_what_is_not_a_handout_of_this_release(redteam):
     assert by_name["other_chapter.ipynb"].endswith("this is the handout of ch2_population, not of ch1_model")
     assert "has the fingerprint of another release" in by_name["other_release.ipynb"]
     assert "has no release fingerprint" in by_name["no_fingerprint.ipynb"]
+    assert "not a valid notebook (nbformat: " in by_name["bad_schema.ipynb"]
     for name in (".hidden.ipynb", "-rf.ipynb"):
         assert "cannot take a student id from the file name" in by_name[name]
     assert any(
@@ -236,7 +238,7 @@ def test_collect_rejects_what_is_not_a_handout_of_this_release(redteam):
     for v, k in ((v, k) for k, v in collected.rejected.items()):
         assert v.startswith(k)  # names the file
     # nothing rejected was graded, nothing was written outside submitted/
-    assert not {"symlink", "master", "duplicated", "..", ".hidden", "-rf", "up"} & set(reports)
+    assert not {"symlink", "master", "duplicated", "bad_schema", "..", ".hidden", "-rf", "up"} & set(reports)
     assert sorted(p.name for p in (redteam[0] / "submitted").iterdir()) == sorted(reports)
 
 
