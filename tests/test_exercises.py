@@ -296,7 +296,7 @@ def test_hidden_grading_passes_honest_answers_and_fails_the_rest(sandbox):
             "def my_to_factor(A, B, S):\n    return Lazy(A, B, S), Lazy(A, B, S)\n",
             "an object of its own class",
         ),
-        ("import sys\ndef my_to_factor(A, B, S):\n    sys._getframe(1)\n", "tried sys._getframe"),
+        ("import sys\ndef my_to_factor(A, B, S):\n    sys._getframe(1)\n", "frames (sys._getframe)"),
         (
             "def my_to_factor(A, B, S):\n    try:\n        raise ValueError\n    except ValueError as e:\n"
             "        e.__traceback__.tb_frame\n",
@@ -312,6 +312,20 @@ def test_hidden_grading_passes_honest_answers_and_fails_the_rest(sandbox):
 def test_hidden_grading_refuses_and_flags_attacks(sandbox, src, message):
     v = _grade(sandbox, "3.1", src)
     assert not v.passed and message in v.message and v.flags, v
+
+
+def test_frames_at_the_top_level_are_allowed_and_noted(sandbox):
+    """A namedtuple (which reads its caller's frame) in a student's cell works, and is noted for review."""
+    honest = (
+        "from collections import namedtuple\nPair = namedtuple('Pair', 'At C')\n"
+        "def my_to_factor(A, B, Sigma):\n    w, Q = torch.linalg.eigh(Sigma)\n    R = (Q * w.sqrt()) @ Q.T\n"
+        "    return tuple(Pair(A @ R, R @ B.T @ R))\n"
+    )
+    v = _grade(sandbox, "3.1", honest)
+    assert v.passed and v.flags == [
+        "exercise 3.1: the student's code tried the interpreter's frames (sys._getframe) in cell solution; "
+        "allowed at the top level"
+    ], v
 
 
 def test_hidden_grading_times_out_and_names_the_limit():

@@ -636,7 +636,8 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         if "blocked" in e:
             where = e.get("phase", "")
             shown = f"while {name} ran" if str(where).startswith("hidden case") else f"in {where}"
-            flags.append(f"exercise {key}: the student's code tried {e['blocked']} {shown}; refused")
+            verdict = "allowed at the top level" if e.get("allowed") else "refused"
+            flags.append(f"exercise {key}: the student's code tried {e['blocked']} {shown}; {verdict}")
             if e.get("serious") and not earlier(where):
                 fail = fail or f"the student's code tried {e['blocked']} ({where}), which grading refuses"
     for e in events:
