@@ -562,6 +562,48 @@ def _serve():
 # ----------------------------------------------------------------------------- the instructor's side
 
 
+_EVENT_TYPES = {
+    "case": int,
+    "cell": str,
+    "phase": str,
+    "blocked": str,
+    "forbidden": str,
+    "raised": str,
+    "error": (str, type(None)),
+    "setup_error": str,
+    "missing": (str, type(None)),
+    "changed": list,
+    "value": (dict, type(None)),
+}
+
+
+def _well_formed(ev) -> bool:
+    """A worker's report as the worker writes it (a student's code could write other lines to the pipe)."""
+    if not isinstance(ev, dict):
+        return False
+    for key, kind in _EVENT_TYPES.items():
+        if key in ev and not isinstance(ev[key], kind) or key == "case" and key in ev and isinstance(ev[key], bool):
+            return False
+    value = ev.get("value")
+    return value is None or _plain_literal(value)
+
+
+def _plain_literal(v, depth=0) -> bool:
+    if depth > 8 or not isinstance(v, dict):
+        return False
+    if "tuple" in v:
+        return isinstance(v["tuple"], list) and all(_plain_literal(w, depth + 1) for w in v["tuple"])
+    shape, vals = v.get("shape"), v.get("v")
+    if not isinstance(shape, list) or not isinstance(vals, list):
+        return False
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return False
+    size = 1
+    for n in shape:
+        size *= n
+    return size == len(vals) and all(isinstance(x, float) for x in vals)
+
+
 def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -634,7 +676,7 @@ class Sandbox:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(ev, dict):
+            if _well_formed(ev):
                 events.append(ev)
         answer["events"] = events
         return answer
