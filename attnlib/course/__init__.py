@@ -100,6 +100,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'attnlib.course' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnlib.course", description=__doc__.split("\n\n")[0])
     p.add_argument("--book", default=None, help="folder of the master notebooks (default: the checkout's book/)")

@@ -240,6 +240,7 @@ def _verify_minimizer(result, S, M):
     return None
 
 
+#: Every coding exercise of the book, by key (``"2.1"``): what the reader writes and how it is graded.
 EXERCISES: Dict[str, Exercise] = {
     e.key: e
     for e in (

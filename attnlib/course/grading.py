@@ -107,6 +107,7 @@ class SanitizeSubmission(NbGraderPreprocessor):
     """Student content that a browser would run or fetch becomes text (see the module's docstring)."""
 
     def preprocess(self, nb, resources):
+        """The notebook with its unsafe Markdown and raw cells shown as text; what changed goes to the record."""
         from nbformat.v4 import new_markdown_cell
 
         sanitized = []
@@ -161,6 +162,7 @@ class GradeInSandbox(NbGraderPreprocessor):
     timeout = Float(120.0, help="Seconds one graded cell's worker may run").tag(config=True)
 
     def preprocess(self, nb, resources):
+        """The notebook with every check cell's output set from the guarded worker's verdict (see the class)."""
         from nbformat.v4 import new_output
 
         from .coursedir import release_record
