@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 from attnlib import course  # noqa: E402
 from attnlib.course.handout import _nbgrader, _source, read_notebook  # noqa: E402
 
+GRADE = "grade {n} submissions (nbgrader autograde per student, hidden tests in the guarded worker)"
+
 
 def make_submissions(chapter: str, released: Path, folder: Path, n: int) -> None:
     """``n`` submissions of ``chapter`` in ``folder`` (``student01.ipynb``, ...)."""
@@ -74,20 +76,23 @@ def main(argv=None) -> int:
         times[f"collect {args.students} files"] = time.perf_counter() - t
         t = time.perf_counter()
         reports = course.grade(root, args.chapter)
-        times[f"grade {args.students} submissions (one nbgrader autograde run)"] = time.perf_counter() - t
+        times[GRADE.format(n=args.students)] = time.perf_counter() - t
         t = time.perf_counter()
         course.export(root, tmp / "grades.csv")
         times["export the gradebook as CSV"] = time.perf_counter() - t
+        t = time.perf_counter()
+        course.feedback(root, args.chapter)
+        times[f"feedback for {args.students} submissions (HTML)"] = time.perf_counter() - t
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     assert len(collected.collected) == args.students and len(reports) == args.students
-    graded = times[f"grade {args.students} submissions (one nbgrader autograde run)"]
+    graded = times[GRADE.format(n=args.students)]
     load = os.getloadavg()
     lines = [
         f"Grading {args.students} submissions of {args.chapter}: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-        f"(1 / 5 / 15 min) at the end.",
+        f"(1 / 5 / 15 min) at the end; the machine was shared with other jobs, so the times are upper bounds.",
         "",
         "| phase | seconds |",
         "|:---|---:|",

@@ -1,13 +1,12 @@
 """Assignments with nbgrader: handouts, hidden tests, the course workflow, bad submissions.
 
-Every chapter's handout and hidden tests are checked without running nbgrader's kernels (fast);
-the nbgrader plumbing (release, collect, one autograde run over several students, export) runs
-once, for chapter 1.
+Every chapter's handout and hidden tests are checked without nbgrader (the guarded worker of
+attnlib.course.hidden on the worked solutions and the stubs); the nbgrader plumbing (release,
+collect, autograde student by student, export) runs once, for chapter 1. The adversarial
+submissions are in tests/test_redteam.py.
 """
 
-import contextlib
 import copy
-import io
 import json
 import re
 import subprocess
@@ -158,28 +157,36 @@ def test_no_hints_release_and_stubs_that_do_not_give_the_formula():
                 assert not re.search(r"Sigma\^|tr\(|sqrt|sum_i|\|\|.*\|\|", doc), (ch, doc)
 
 
+@pytest.fixture(scope="module")
+def sandbox():
+    from attnlib.course.hidden import Sandbox
+
+    with Sandbox(timeout=60) as box:
+        yield box
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_hidden_tests_accept_the_worked_solutions_and_reject_the_stubs(chapter):
+def test_hidden_tests_accept_the_worked_solutions_and_reject_the_stubs(chapter, sandbox):
+    from attnlib.course.exercises import EXERCISES, hidden_cases, judge
+    from attnlib.course.grading import _CHECK, _strip_magics
+    from attnlib.course.hidden import encode
+
     master = _master(chapter)
     source = course.source_notebook(chapter)
-    setup = "\n".join(line for line in source["cells"][1]["source"].splitlines() if not line.startswith("%"))
+    setup = _strip_magics(source["cells"][1]["source"])
     graded = [c["source"] for c in source["cells"] if _nbg(c).get("grade") and HIDDEN in c["source"]]
     solutions = [_src(c) for c in master["cells"] if _nbg(c).get("solution") and c["cell_type"] == "code"]
     stubs = [c.source for c in _student_version(source).cells if _nbg(c).get("solution") and c.cell_type == "code"]
     for cells, passes in ((solutions, True), (stubs, False)):
-        ns = {}
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(setup, ns)
-            for src in cells:
-                exec(src, ns)
-            for src in graded:
-                hidden_part = src[src.index(HIDDEN) :]
-                if passes:
-                    exec(src, ns)  # the visible check and the hidden test
-                else:
-                    # (the hidden test defines its own ExerciseError, an AssertionError)
-                    with pytest.raises(AssertionError, match="still raises NotImplementedError"):
-                        exec(hidden_part, ns)
+        own = [(str(i), src) for i, src in enumerate(cells)]
+        for src in graded:
+            m = _CHECK.search(src)
+            cases = [[encode(a) for a in args] for _, args in hidden_cases(m["key"], 99)]
+            answer = sandbox.run(setup, own, m["fn"], cases, EXERCISES[m["key"]].forbidden)
+            v = judge(m["key"], answer, 99, sandbox.timeout)
+            assert v.passed == passes and not v.flags, v
+            if not passes:
+                assert "still raises NotImplementedError" in v.message
 
 
 def test_myst_conversion():
@@ -288,7 +295,10 @@ def _submissions(folder, release):
     (bad / "empty.ipynb").write_text("")
     (bad / "invalid.ipynb").write_text('{"cells": [ }')
     (bad / "list.ipynb").write_text("[1, 2]")
-    (bad / "other.ipynb").write_text((course.BOOK_DIR / "ch2_population.ipynb").read_text())
+    (bad / "master.ipynb").write_text((course.BOOK_DIR / "ch2_population.ipynb").read_text())
+    other = copy.deepcopy(release)
+    other["metadata"]["attnlib"]["chapter"] = "ch2_population"
+    (bad / "other.ipynb").write_text(json.dumps(other))
     (bad / "no name.ipynb").write_text(json.dumps(release))
     return bad
 
@@ -310,7 +320,14 @@ def test_release_is_nbgraders_layout_and_happens_once(graded):
     for path in ("nbgrader_config.py", "gradebook.db", f"source/{CH}/{CH}.ipynb", f"release/{CH}/{CH}.ipynb"):
         assert (root / path).is_file(), path
     assert HIDDEN in (root / "source" / CH / f"{CH}.ipynb").read_text()
-    assert "BEGIN HIDDEN" not in (root / "release" / CH / f"{CH}.ipynb").read_text()
+    released = (root / "release" / CH / f"{CH}.ipynb").read_text()
+    assert "BEGIN HIDDEN" not in released
+    # a fingerprint of this release in the handout; the hidden cases' seed in no notebook
+    record = json.loads((root / "attnlib-releases.json").read_text())[CH]
+    assert json.loads(released)["metadata"]["attnlib"] == {"chapter": CH, "release": record["fingerprint"]}
+    for nb in root.glob("*/*/*.ipynb"):
+        assert str(record["seed"]) not in nb.read_text()
+    assert (root / ".gitignore").read_text().splitlines()[-1] == "*"
     with pytest.raises(ValueError, match="already released"):
         course.release(root, [CH])
     with pytest.raises(ValueError, match="chapters: expected names from"):
@@ -327,13 +344,13 @@ def test_untouched_stubs_earn_nothing_with_the_expected_messages(graded):
     r = graded[2]["stub"]
     assert r.total == 0 and r.max_total == 4
     for gid, fn in [("ex1-1", "my_attention"), ("ex1-2", "my_empirical_loss")]:
-        assert re.search(rf"Exercise 1\.\d: {fn} still raises NotImplementedError", r.messages[gid]), r.messages
+        assert re.search(rf"Exercise 1\.\d \(graded\): {fn} still raises NotImplementedError", r.messages[gid])
 
 
 def test_switching_off_the_grader_or_rebinding_the_library_earns_nothing(graded):
     r = graded[2]["exploit"]
     assert r.scores["ex1-1"] == 0 and r.scores["ex1-2"] == 0, r.lines()
-    assert "graded test" in r.messages["ex1-1"] and "not right on case 1" in r.messages["ex1-1"]
+    assert "(graded)" in r.messages["ex1-1"] and "not right on hidden case 1" in r.messages["ex1-1"]
     flagged = " ".join(r.flags)
     for what in ("assigns to exercises.check", "assigns to al.empirical_loss", "assigns to torch.allclose"):
         assert what in flagged, r.flags
@@ -342,7 +359,7 @@ def test_switching_off_the_grader_or_rebinding_the_library_earns_nothing(graded)
 def test_aliasing_the_library_earns_nothing(graded):
     r = graded[2]["alias"]
     assert r.scores["ex1-1"] == 0 and r.scores["ex1-2"] == 0, r.lines()
-    assert "is the library function attnlib.attention.attention_reference" in r.messages["ex1-1"]
+    assert "calls attnlib.attention.attention_reference" in r.messages["ex1-1"]
     assert "calls attnlib.attention.empirical_loss" in r.messages["ex1-2"]
 
 
@@ -358,9 +375,12 @@ def test_errors_in_the_students_cells_are_reported_with_their_cause(graded):
     r = graded[2]["broken"]
     assert r.scores["ex1-1"] == 0 and r.scores["ex1-2"] == 0
     assert re.match(
-        r"cell ex1-1-solution raised SyntaxError: .* \(line 2\), so the check failed: NameError", r.messages["ex1-1"]
+        r"Exercise 1\.1 \(graded\): my_attention is not defined \(cell ex1-1-solution raised SyntaxError: .*line 2",
+        r.messages["ex1-1"],
     )
-    assert r.messages["ex1-2"].startswith("the solution cell ex1-2-solution is missing, so the check failed: NameError")
+    assert r.messages["ex1-2"] == (
+        "Exercise 1.2 (graded): my_empirical_loss is not defined (the solution cell ex1-2-solution is missing)"
+    )
     assert "the solution cell ex1-2-solution was deleted; its exercise earns no points" in r.problems
     assert any(p.startswith("cell ex1-1-solution raised SyntaxError") for p in r.problems)
 
@@ -372,7 +392,8 @@ def test_bad_files_are_rejected_with_one_line_each(graded):
     assert msgs["empty.ipynb"].endswith("the file is empty (expected a Jupyter notebook)")
     assert re.search(r"not a Jupyter notebook \(invalid JSON: .* at line 1, column \d+\)$", msgs["invalid.ipynb"])
     assert msgs["list.ipynb"].endswith("not a Jupyter notebook (the JSON has no list of cells)")
-    assert msgs["other.ipynb"].endswith("this is the notebook of ch2_population, not of ch1_model (by its cell ids)")
+    assert msgs["other.ipynb"].endswith("this is the handout of ch2_population, not of ch1_model")
+    assert "an instructor's notebook (the book's master" in msgs["master.ipynb"]
     assert "cannot take a student id from the file name" in msgs["no name.ipynb"]
     assert all("\n" not in m for m in msgs.values()) and not collected.ok
 

@@ -1,12 +1,10 @@
 """The exercise graders: reference answers pass, typical mistakes fail with the right message.
 
-Both graders are tested: :func:`check` (the feedback in the book and the handouts) and the hidden
-tests (:mod:`attnlib.course.hidden` with the literal specs of :func:`hidden_spec`, what grades).
+Both uses of the one grader are tested: :func:`check` (the feedback in the book and the handouts) and
+:func:`judge` on what the guarded worker of :mod:`attnlib.course.hidden` reports (what grades).
 """
 
-import ast
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 import attnlib as al
 from attnlib.course import hidden
-from attnlib.course.exercises import EXERCISES, ExerciseError, check, hidden_spec, solved
+from attnlib.course.exercises import EXERCISES, ExerciseError, check, hidden_cases, judge, solved
 
 # Independent reference answers, written here with torch and numpy only (no attnlib function that
 # the grader compares against), so that these tests fail if a grader's reference is wrong.
@@ -194,129 +192,172 @@ def test_hints_do_not_state_the_formulas():
         assert text not in EXERCISES[key].hint, (key, EXERCISES[key].hint)
 
 
-# ----------------------------------------------------------------------------- the library policy
+# ----------------------------------------------------------------------------- the library policy (visible check)
 
 
-def test_an_alias_of_the_library_fails_both_graders():
+def test_an_alias_of_the_library_fails_the_check():
     for fn in (al.to_factor, functools.partial(al.to_factor), EXERCISES["3.1"].reference):
         with pytest.raises(ExerciseError, match=r"my_to_factor is the library function attnlib\.geometry\.to_factor"):
             check("3.1", fn)
-        with pytest.raises(ExerciseError, match="is the library function attnlib.geometry.to_factor"):
-            hidden.grade(fn, hidden_spec("3.1"))
-    # the reference of 1.2 is a lambda of the course package: also the library's
-    with pytest.raises(ExerciseError, match=r"is the library function attnlib\.course\.exercises\.<lambda>"):
-        hidden.grade(EXERCISES["1.2"].reference, hidden_spec("1.2"))
 
 
 def test_a_wrapper_of_the_asked_function_fails_an_allowed_call_passes():
     wrapper = lambda A, B, S: al.to_factor(A, B, S)
     with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.to_factor, a library function that does"):
         check("3.1", wrapper)
-    with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.to_factor"):
-        hidden.grade(wrapper, hidden_spec("3.1"))
     # 4.1 allows al.to_factor (the statement says so), not al.p_norm
-    allowed = lambda dA, dB, S: torch.sqrt(sum((t**2).sum() for t in al.to_factor(dA, dB, S)))
-    check("4.1", allowed)
-    hidden.grade(allowed, hidden_spec("4.1"))
+    check("4.1", lambda dA, dB, S: torch.sqrt(sum((t**2).sum() for t in al.to_factor(dA, dB, S))))
     with pytest.raises(ExerciseError, match=r"calls attnlib\.geometry\.p_norm"):
-        hidden.grade(lambda dA, dB, S: 1.0 * al.p_norm(dA, dB, S), hidden_spec("4.1"))
-    # a method of a library class: Task.population_grad answers 2.2 outright
-    with pytest.raises(ExerciseError, match=r"calls attnlib\.task\.Task\.population_grad"):
-        hidden.grade(lambda A, B, S, M: al.Task(S, M).population_grad(A, B), hidden_spec("2.2"))
+        check("4.1", lambda dA, dB, S: 1.0 * al.p_norm(dA, dB, S))
 
 
-def test_switching_off_the_profiler_fails():
-    import sys
+def test_results_that_are_not_plain_numbers_fail():
+    class Evil:
+        def __float__(self):
+            return 0.0
 
-    def sneaky(A, B, S):
-        sys.setprofile(None)
-        return _factor(A, B, S)
+        def __eq__(self, other):
+            return True
 
-    with pytest.raises(ExerciseError, match="changed the interpreter's profiler"):
-        hidden.grade(sneaky, hidden_spec("3.1"))
+    with pytest.raises(ExerciseError, match="an object of its own class"):
+        check("6.1", lambda x, y: Evil())
+    sub = type("T", (torch.Tensor,), {})
+    with pytest.raises(ExerciseError, match="an object of its own class"):
+        check("2.1", lambda A, B, S, M: _excess_ref(A, B, S, M).as_subclass(sub))
+    # numpy results and Python floats are read
+    check("6.1", lambda x, y: np.float64(ANSWERS["6.1"](x, y)))
+    check("2.1", lambda A, B, S, M: _excess_ref(A, B, S, M).numpy())
 
 
-# ----------------------------------------------------------------------------- the hidden tests
+# ----------------------------------------------------------------------------- hidden cases
 
 
 @pytest.mark.parametrize("key", sorted(EXERCISES))
-def test_hidden_tests_pass_the_answers_and_fail_the_stub(key):
-    spec = hidden_spec(key)
-    assert ast.literal_eval(repr(spec)) == spec  # a plain literal: floats, strings, lists, dicts
-    hidden.grade(ANSWERS[key], spec)
-
-    def stub(*args):
-        raise NotImplementedError()
-
-    with pytest.raises(ExerciseError, match=rf"Exercise {key} \(graded test\): .* still raises NotImplementedError"):
-        hidden.grade(stub, spec)
-
-
-def test_hidden_tests_do_not_depend_on_what_a_notebook_can_rebind(monkeypatch):
-    spec = hidden_spec("3.1")  # fixed at release
-    wrong = lambda A, B, S: (A @ S, S @ B.T @ S)  # Sigma in place of its square root
-    # a student's cell rebinds the grader, the reference, the library and the comparisons
-    import attnlib.course.exercises as exercises_module
-    import attnlib.geometry
-
-    monkeypatch.setattr(exercises_module, "check", lambda *a, **k: None)
-    monkeypatch.setattr(attnlib.geometry, "to_factor", wrong)
-    monkeypatch.setattr(al, "to_factor", wrong)
-    monkeypatch.setattr(torch, "allclose", lambda *a, **k: True)
-    monkeypatch.setattr(np, "allclose", lambda *a, **k: True)
-    monkeypatch.setattr(np.testing, "assert_allclose", lambda *a, **k: None)
-    exercises_module.check("3.1", wrong)  # the visible check is switched off ...
-    # ... the hidden test is not (case 1 has Sigma = I, where Sigma and its root agree)
-    with pytest.raises(ExerciseError, match="not right on case 2"):
-        hidden.grade(wrong, spec)
+def test_hidden_cases_differ_from_the_visible_ones_and_from_release_to_release(key):
+    visible = EXERCISES[key].cases(hidden.VISIBLE_SEED)
+    a, b = hidden_cases(key, 11), hidden_cases(key, 12)
+    assert [d for d, _ in a] == [d for d, _ in visible]  # the same kinds of case
+    for other in (a, b):
+        assert hidden.encode([x for _, x in other]) != hidden.encode([x for _, x in visible])
+    assert hidden.encode([x for _, x in a]) != hidden.encode([x for _, x in b])
+    assert hidden.encode([x for _, x in a]) == hidden.encode([x for _, x in hidden_cases(key, 11)])
+    with pytest.raises(ValueError, match="seed"):
+        hidden_cases(key, hidden.VISIBLE_SEED)
 
 
-def test_hidden_checks_shape_nan_return_and_inputs():
-    spec = hidden_spec("3.1")
-    with pytest.raises(ExerciseError, match=r"component 0: returned shape \(3, 2\), expected \(2, 3\)"):
-        hidden.grade(lambda A, B, S: (_factor(A, B, S)[0].T, _factor(A, B, S)[1]), spec)
-    with pytest.raises(ExerciseError, match="returned None"):
-        hidden.grade(lambda A, B, S: None, spec)
-    with pytest.raises(ExerciseError, match="NaN or infinite"):
-        hidden.grade(lambda A, B, S: tuple(t * float("nan") for t in _factor(A, B, S)), spec)
-
-    def inplace(A, B, S):
-        out = _factor(A, B, S)
-        A.zero_()
-        return out
-
-    with pytest.raises(ExerciseError, match="modified its input in place"):
-        hidden.grade(inplace, spec)
-    with pytest.raises(ExerciseError, match="expected a function"):
-        hidden.grade(0.5, spec)
-    # numpy results and Python floats are read too
-    hidden.grade(lambda x, y: np.float64(ANSWERS["6.1"](x, y)), hidden_spec("6.1"))
-    hidden.grade(lambda A, B, S, M: _excess_ref(A, B, S, M).numpy(), hidden_spec("2.1"))
+@pytest.fixture(scope="module")
+def sandbox():
+    with hidden.Sandbox(timeout=20) as box:
+        yield box
 
 
-def test_hidden_minimiser_check_is_property_based():
-    spec = hidden_spec("3.2")
-    hidden.grade(ANSWERS["3.2"], spec)
-
-    def unbalanced(S, M):
-        At, C = _balanced(S, M)
-        return _unfactor(2 * At, C / 2, S)
-
-    with pytest.raises(ExerciseError, match="not balanced"):
-        hidden.grade(unbalanced, spec)
-    with pytest.raises(ExerciseError, match="not a global minimizer"):
-        hidden.grade(lambda S, M: _unfactor(*(0.9 * f for f in _balanced(S, M)), S), spec)
+SETUP = "import numpy as np\nimport torch\nimport attnlib as al\nfrom attnlib.course import exercises\n"
 
 
-def test_hidden_grader_is_self_contained():
-    """Its source is pasted into the hidden tests: standard library only, no nbgrader delimiters."""
-    src = Path(hidden.__file__).read_text()
-    tree = ast.parse(src)
-    top = {a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names}
-    top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
-    assert top <= {"math", "sys"}, top
-    for word in ("BEGIN HIDDEN", "END HIDDEN", "BEGIN SOLUTION", "END SOLUTION", "BEGIN MARK", "END MARK"):
-        assert word not in src
+def _grade(box, key, src, seed=7):
+    fn = EXERCISES[key].signature.split("(")[0]
+    cases = [[hidden.encode(a) for a in args] for _, args in hidden_cases(key, seed)]
+    answer = box.run(SETUP, [("solution", src)], fn, cases, EXERCISES[key].forbidden)
+    return judge(key, answer, seed, box.timeout)
+
+
+def test_hidden_grading_passes_honest_answers_and_fails_the_rest(sandbox):
+    honest = (
+        "def my_to_factor(A, B, Sigma):\n    w, Q = torch.linalg.eigh(Sigma)\n    R = (Q * w.sqrt()) @ Q.T\n"
+        "    return A @ R, R @ B.T @ R\n"
+    )
+    v = _grade(sandbox, "3.1", honest)
+    assert v.passed and not v.flags, v
+    v = _grade(sandbox, "3.1", "def my_to_factor(A, B, Sigma):\n    return A @ Sigma, Sigma @ B.T @ Sigma\n")
+    assert not v.passed and "not right on hidden case" in v.message and not v.flags
+    v = _grade(sandbox, "3.1", "def my_to_factor(A, B, Sigma):\n    raise NotImplementedError()\n")
+    assert not v.passed and "still raises NotImplementedError" in v.message
+    v = _grade(sandbox, "3.1", "x = 1\n")
+    assert not v.passed and "my_to_factor is not defined" in v.message
+    # the allowed library call of 4.1 passes, the forbidden one does not
+    allowed = "def my_p_norm(dA, dB, S):\n    return torch.sqrt(sum((t**2).sum() for t in al.to_factor(dA, dB, S)))\n"
+    assert _grade(sandbox, "4.1", allowed).passed
+    v = _grade(sandbox, "4.1", "def my_p_norm(dA, dB, S):\n    return al.p_norm(dA, dB, S)\n")
+    assert not v.passed and "calls attnlib.geometry.p_norm" in v.message and v.flags
+
+
+@pytest.mark.parametrize(
+    "src, message",
+    [
+        ("my_to_factor = al.to_factor", "calls attnlib.geometry.to_factor"),
+        (
+            "import functools\nmy_to_factor = functools.partial(al.geometry.to_factor)",
+            "calls attnlib.geometry.to_factor",
+        ),
+        ("my_to_factor = exercises.EXERCISES['3.1'].reference", "calls attnlib.geometry.to_factor"),
+        (
+            "class Lazy:\n    def __init__(s, *a): s.a = a\n"
+            "    def __array__(s, *k): return al.to_factor(*s.a)[0].numpy()\n"
+            "def my_to_factor(A, B, S):\n    return Lazy(A, B, S), Lazy(A, B, S)\n",
+            "an object of its own class",
+        ),
+        ("import sys\ndef my_to_factor(A, B, S):\n    sys._getframe(1)\n", "frames (sys._getframe)"),
+        (
+            "def my_to_factor(A, B, S):\n    try:\n        raise ValueError\n    except ValueError as e:\n"
+            "        e.__traceback__.tb_frame\n",
+            "the interpreter's frames",
+        ),
+        ("import gc\ndef my_to_factor(A, B, S):\n    gc.get_objects()\n", "tried gc.get_objects"),
+        ("src = open(al.geometry.__file__).read()\n", "tried reading"),
+        ("import subprocess\ndef my_to_factor(A, B, S):\n    subprocess.run(['true'])\n", "subprocess.Popen"),
+        ("import sys\ndef my_to_factor(A, B, S):\n    sys.exit(0)\n", "called exit() or sys.exit()"),
+        ("import os\ndef my_to_factor(A, B, S):\n    os._exit(3)\n", "ended the grading process"),
+    ],
+)
+def test_hidden_grading_refuses_and_flags_attacks(sandbox, src, message):
+    v = _grade(sandbox, "3.1", src)
+    assert not v.passed and message in v.message and v.flags, v
+
+
+def test_frames_at_the_top_level_are_allowed_and_noted(sandbox):
+    """A namedtuple (which reads its caller's frame) in a student's cell works, and is noted for review."""
+    honest = (
+        "from collections import namedtuple\nPair = namedtuple('Pair', 'At C')\n"
+        "def my_to_factor(A, B, Sigma):\n    w, Q = torch.linalg.eigh(Sigma)\n    R = (Q * w.sqrt()) @ Q.T\n"
+        "    return tuple(Pair(A @ R, R @ B.T @ R))\n"
+    )
+    v = _grade(sandbox, "3.1", honest)
+    assert v.passed and v.flags == [
+        "exercise 3.1: the student's code tried the interpreter's frames (sys._getframe) in cell solution; "
+        "allowed at the top level"
+    ], v
+
+
+def test_hidden_grading_times_out_and_names_the_limit():
+    with hidden.Sandbox(timeout=2) as box:
+        v = _grade(box, "6.1", "def my_loglog_slope(x, y):\n    while True:\n        pass\n")
+    assert not v.passed and "timed out after 2 s in my_loglog_slope on hidden case 1" in v.message
+    assert "KeyboardInterrupt" not in v.message and v.flags
+
+
+def test_hidden_minimiser_check_is_property_based(sandbox):
+    rotated = (
+        "def my_balanced_minimizer(S, M):\n    w, Q = torch.linalg.eigh(S)\n"
+        "    R, Ri = (Q * w.sqrt()) @ Q.T, (Q / w.sqrt()) @ Q.T\n"
+        "    U, s, Vh = torch.linalg.svd(M @ R, full_matrices=False)\n"
+        "    At, C = (U * s.sqrt()) @ Vh, (Vh.T * s.sqrt()) @ Vh\n"
+        "    return At @ Ri, Ri @ C.T @ Ri\n"
+    )
+    assert _grade(sandbox, "3.2", rotated).passed
+    v = _grade(
+        sandbox,
+        "3.2",
+        rotated.replace("return At @ Ri", "return 2 * At @ Ri").replace("Ri @ C.T @ Ri", "Ri @ C.T @ Ri / 2"),
+    )
+    assert not v.passed and "not balanced" in v.message
+
+
+def test_pasted_visible_values_fail_and_are_flagged(sandbox):
+    visible = [float(EXERCISES["6.1"].reference(*args)) for _, args in EXERCISES["6.1"].cases(hidden.VISIBLE_SEED)]
+    src = f"VALUES = {visible!r}\ncalls = []\n"
+    src += "def my_loglog_slope(x, y):\n    calls.append(1)\n    return VALUES[len(calls) - 1]\n"
+    v = _grade(sandbox, "6.1", src)
+    assert not v.passed and any("visible case's expected value" in f for f in v.flags), v
 
 
 def test_the_p_norm_rescaling_of_exercise_4_1():

@@ -3,9 +3,11 @@ r"""Course assignments from the book's chapters, with nbgrader.
 This subpackage is not loaded by ``import attnlib`` (the maths core). The
 chapter notebooks in ``book/`` are the single master of the book, the tests
 and the assignments; the course version of a chapter is its exercise section
-(:mod:`attnlib.course.handout`), graded by hidden tests whose expected values
-are fixed at release (:mod:`attnlib.course.hidden`). The graders the book and
-the students call are in :mod:`attnlib.course.exercises`.
+(:mod:`attnlib.course.handout`), graded on hidden cases drawn at release from
+a secret seed, each graded cell in a guarded worker process that never sees
+an expected value (:mod:`attnlib.course.hidden`, :mod:`attnlib.course.grading`).
+The one grader behind the book's checks and the grade is
+:mod:`attnlib.course.exercises`.
 
 The commands wrap nbgrader's own workflow in an nbgrader course directory
 (:mod:`attnlib.course.coursedir`): release the chosen chapters once, collect
@@ -19,7 +21,10 @@ many submissions, autograde them all, export the gradebook::
     python -m attnlib.course export course/ --to grades.csv
     python -m attnlib.course feedback course/ ch1_model
 
-``collect`` rejects files that cannot be graded with a one-line reason;
+``collect`` rejects files that cannot be graded with a one-line reason (not a
+notebook, a symbolic link, a bad student id, a duplicated grade id, an
+instructor's notebook, not a handout of this release); ``grade`` grades one
+student at a time and gives each a status (``graded`` or ``not graded: cause``);
 ``collect`` and ``grade`` exit with status 1 when a submission was rejected
 or had problems (a deleted or edited graded cell, an error in the student's
 own cells, a timeout), 2 on an error in the command itself, 0 otherwise.
@@ -33,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 __all__ = [
     "BOOK_DIR",
@@ -53,16 +58,9 @@ __all__ = [
 BOOK_DIR = Path(__file__).resolve().parents[2] / "book"
 
 
-def graded_cells(nb) -> Dict[str, float]:
-    """``{grade_id: points}`` of the graded cells of a notebook (nbgrader metadata; a dict or a NotebookNode)."""
-    from .handout import graded_ids
-
-    return graded_ids(nb)
-
-
 def chapters(book_dir=None) -> List[str]:
     """Names of the chapter notebooks that have an exercise section with graded cells."""
-    from .handout import exercise_start, read_notebook
+    from .handout import exercise_start, graded_ids, read_notebook
 
     book = Path(book_dir) if book_dir is not None else BOOK_DIR
     if not book.is_dir():
@@ -73,58 +71,37 @@ def chapters(book_dir=None) -> List[str]:
             nb = read_notebook(p)
         except ValueError:
             continue
-        if exercise_start(nb) is not None and graded_cells(nb):
+        if exercise_start(nb) is not None and graded_ids(nb):
             out.append(p.stem)
     return out
 
 
-def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
-    """The course version of ``chapter`` (see :func:`attnlib.course.handout.source_notebook`)."""
-    from .handout import source_notebook as _source_notebook
-
-    return _source_notebook(chapter, book_dir=book_dir, hints=hints)
-
-
-def init(course, *, timeout: int = 120):
-    """Create an nbgrader course folder (see :func:`attnlib.course.coursedir.init`)."""
-    from .coursedir import init as _init
-
-    return _init(course, timeout=timeout)
-
-
-def release(course, chapters: Sequence[str], *, book_dir=None, hints: bool = True, force: bool = False):
-    """Release chapters in a course (see :func:`attnlib.course.coursedir.release`)."""
-    from .coursedir import release as _release
-
-    return _release(course, chapters, book_dir=book_dir, hints=hints, force=force)
+#: The commands, from the modules that implement them (imported on first use: ``import attnlib.course`` stays cheap).
+_LAZY = {
+    "graded_cells": "handout.graded_ids",  # {grade_id: points} of a notebook's graded cells
+    "source_notebook": "handout",
+    "init": "coursedir",
+    "release": "coursedir",
+    "collect": "coursedir",
+    "grade": "coursedir",
+    "export": "coursedir",
+    "feedback": "coursedir",
+}
 
 
-def collect(course, chapter: str, paths, *, book_dir=None):
-    """Collect submitted notebooks (see :func:`attnlib.course.coursedir.collect`)."""
-    from .coursedir import collect as _collect
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
 
-    return _collect(course, chapter, paths, book_dir=book_dir)
-
-
-def grade(course, chapter: str, students: Optional[Sequence[str]] = None):
-    """Autograde collected submissions (see :func:`attnlib.course.coursedir.grade`)."""
-    from .coursedir import grade as _grade
-
-    return _grade(course, chapter, students)
+        module, _, attr = _LAZY[name].partition(".")
+        value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'attnlib.course' has no attribute {name!r}")
 
 
-def export(course, to):
-    """Export the gradebook as CSV (see :func:`attnlib.course.coursedir.export`)."""
-    from .coursedir import export as _export
-
-    return _export(course, to)
-
-
-def feedback(course, chapter: str):
-    """HTML feedback for the autograded submissions (see :func:`attnlib.course.coursedir.feedback`)."""
-    from .coursedir import feedback as _feedback
-
-    return _feedback(course, chapter)
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="chapters with graded exercises")
     s = sub.add_parser("init", help="create an nbgrader course folder")
     s.add_argument("course")
-    s.add_argument("--timeout", type=int, default=120, help="seconds a cell may run when autograded")
+    s.add_argument("--timeout", type=int, default=120, help="seconds the hidden test of one graded cell may run")
     s = sub.add_parser("release", help="release chapters: source/ and the student versions in release/")
     s.add_argument("course")
     s.add_argument("chapters", nargs="+")
@@ -164,20 +141,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.cmd == "list":
             print("\n".join(chapters(args.book)))
             return 0
+        from . import coursedir as cd
+
         if args.cmd == "init":
-            print(f"course folder: {init(args.course, timeout=args.timeout)}")
+            print(f"course folder: {cd.init(args.course, timeout=args.timeout)}")
             return 0
         if args.cmd == "release":
-            out = release(args.course, args.chapters, book_dir=args.book, hints=not args.no_hints, force=args.force)
+            out = cd.release(args.course, args.chapters, book_dir=args.book, hints=not args.no_hints, force=args.force)
             for ch, path in out.items():
                 print(f"{ch}: student version {path}")
             return 0
         if args.cmd == "collect":
-            res = collect(args.course, args.chapter, args.paths, book_dir=args.book)
+            res = cd.collect(args.course, args.chapter, args.paths, book_dir=args.book)
             print("\n".join(res.lines()))
             return 0 if res.ok else 1
         if args.cmd == "grade":
-            reports = grade(args.course, args.chapter, args.student)
+            reports = cd.grade(args.course, args.chapter, args.student)
             for r in reports:
                 print("\n".join(r.lines()))
             bad = [r.student for r in reports if not r.ok]
@@ -186,10 +165,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{args.chapter}: submissions with problems: {', '.join(bad)}")
             return 1 if bad else 0
         if args.cmd == "export":
-            print(f"gradebook: {export(args.course, args.to)}")
+            print(f"gradebook: {cd.export(args.course, args.to)}")
             return 0
         if args.cmd == "feedback":
-            print(f"feedback: {feedback(args.course, args.chapter)}")
+            print(f"feedback: {cd.feedback(args.course, args.chapter)}")
             return 0
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -51,7 +51,8 @@ CONFIG_FILE = "nbgrader_config.py"
 _CONFIG = '''"""nbgrader configuration of this course, written by `python -m attnlib.course init`.
 
 Plain nbgrader commands run in this folder read it too (`nbgrader autograde ch1_model`,
-`nbgrader export`, `nbgrader formgrader`); `python -m attnlib.course` reads it as well.
+`nbgrader export`; the formgrader is the "Formgrader" entry of JupyterLab's Nbgrader menu, with
+`jupyter lab` started in this folder); `python -m attnlib.course` reads it as well.
 """
 
 import os
@@ -61,10 +62,34 @@ c = get_config()  # noqa: F821 - provided by traitlets when nbgrader loads this 
 c.CourseDirectory.root = os.path.dirname(os.path.abspath(__file__))
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(c.CourseDirectory.root, "gradebook.db")
 
-# Seconds one cell of a submission may run when it is autograded (an endless loop costs this much).
-c.Execute.timeout = {timeout}
-# The kernel's own start-up warnings (ipykernel) are not the student's: keep them out of the output.
-c.Execute.extra_arguments = ["--HistoryManager.hist_file=:memory:", "--IPKernelApp.log_level=ERROR"]
+# Grading: no kernel runs a submission. The hidden tests run in a guarded worker process
+# (attnlib.course.grading.GradeInSandbox in place of nbgrader's Execute); student Markdown that a
+# browser would run is shown as text (SanitizeSubmission); deleted graded cells are put back.
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (  # noqa: E402
+    AssignLatePenalties,
+    CheckCellMetadata,
+    ClearOutput,
+    DeduplicateIds,
+    IgnorePattern,
+    LimitOutput,
+    OverwriteCells,
+    OverwriteKernelspec,
+    SaveAutoGrades,
+)
+
+from attnlib.course.grading import GradeInSandbox, SanitizeSubmission  # noqa: E402
+
+c.Autograde.sanitize_preprocessors = [
+    ClearOutput, DeduplicateIds, OverwriteKernelspec, OverwriteCells, CheckCellMetadata, SanitizeSubmission
+]
+c.Autograde.autograde_preprocessors = [
+    GradeInSandbox, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
+    CheckCellMetadata,
+]
+c.OverwriteCells.add_missing_cells = True
+# Seconds the hidden test of one graded cell may run (an endless loop costs this much, once).
+c.GradeInSandbox.timeout = {timeout}
 '''
 _STUDENT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@+")
 
@@ -89,7 +114,37 @@ def init(course, *, timeout: int = 120) -> Path:
     cfg = root / CONFIG_FILE
     if not cfg.exists():
         cfg.write_text(_CONFIG.format(timeout=int(timeout)), encoding="utf-8")
+    ignore = root / ".gitignore"
+    if not ignore.exists():  # solutions, submissions and grades are not for a public repository
+        ignore.write_text("# a course folder holds solutions, submissions and grades: never commit it\n*\n")
     return root
+
+
+RELEASES_FILE = "attnlib-releases.json"
+
+
+def release_record(root: Path, chapter: str) -> dict:
+    """``{"seed", "fingerprint", "released"}`` of ``chapter``'s release in the course (the seed is secret)."""
+    path = Path(root) / RELEASES_FILE
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    if chapter not in records:
+        raise ValueError(f"chapter: {chapter!r} has no release record in {root}; release it again (--force)")
+    return records[chapter]
+
+
+def _new_release(root: Path, chapter: str) -> dict:
+    import secrets
+
+    path = root / RELEASES_FILE
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    records[chapter] = {
+        "seed": secrets.randbits(62) + 1,
+        "fingerprint": secrets.token_hex(8),
+        "released": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    path.write_text(json.dumps(records, indent=2))
+    os.chmod(path, 0o600)
+    return records[chapter]
 
 
 def _config(root: Path):
@@ -168,7 +223,8 @@ def release(course, chapters: Sequence[str], *, book_dir=None, hints: bool = Tru
     api = _api(root)
     out = {}
     for ch in chapters:
-        nb = nbformat.from_dict(source_notebook(ch, book_dir=book, hints=hints))
+        rec = _new_release(root, ch)  # a new seed for the hidden cases, a new fingerprint, per release
+        nb = nbformat.from_dict(source_notebook(ch, book_dir=book, hints=hints, fingerprint=rec["fingerprint"]))
         src = root / "source" / ch
         if src.exists():
             shutil.rmtree(src)
@@ -206,10 +262,10 @@ class CollectResult:
 
 def _student_id(path: Path, chapter: str) -> str:
     sid = path.parent.name if path.stem == chapter else path.stem
-    if not sid or not set(sid) <= _STUDENT_CHARS:
+    if not sid or not set(sid) <= _STUDENT_CHARS or sid[0] in ".-" or sid in (".", ".."):
         raise SubmissionError(
             f"{path}: cannot take a student id from the file name ({sid!r}); name it <student>.ipynb "
-            f"or <student>/{chapter}.ipynb, with letters, digits and . _ - @ + only"
+            f"or <student>/{chapter}.ipynb, with letters, digits and . _ - @ + only, not starting with . or -"
         )
     return sid
 
@@ -270,10 +326,15 @@ def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectR
         raise ValueError(f"chapter: {chapter!r} is not released in {root}; run release first")
     handout = read_notebook(release_nb)
     handouts = _handouts(_book(book_dir))
+    fingerprint = release_record(root, chapter)["fingerprint"]
     files: List[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+        if p.is_dir() and not p.is_symlink():
+            for folder, dirs, names in os.walk(p, followlinks=False):
+                if ".ipynb_checkpoints" in Path(folder).parts:
+                    continue
+                files += sorted(Path(folder) / d for d in dirs if (Path(folder) / d).is_symlink())
+                files += sorted(Path(folder) / n for n in names if n.endswith(".ipynb"))
         else:
             files.append(p)
     if not files:
@@ -283,13 +344,23 @@ def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectR
     log = json.loads(log_file.read_text()) if log_file.is_file() else {}
     for f in files:
         try:
+            if f.is_symlink():
+                raise SubmissionError(f"{f}: is a symbolic link; submit the notebook file itself")
             sid = _student_id(f, chapter)
-            nb, problems = inspect_submission(f, chapter, handout, handouts)
+            nb, problems = inspect_submission(f, chapter, handout, handouts, fingerprint)
             node = nbformat.from_dict(_normalized(nb))
+            try:
+                nbformat.validate(node)
+            except nbformat.ValidationError as exc:
+                first = str(exc).strip().splitlines()[0][:200]
+                raise SubmissionError(f"{f}: not a valid notebook (nbformat: {first})") from None
         except SubmissionError as exc:
             result.rejected[str(f)] = str(exc)
             continue
         dest = root / "submitted" / sid / chapter
+        if dest.resolve().parent.parent != (root / "submitted").resolve():  # pragma: no cover - ids are checked
+            result.rejected[str(f)] = f"{f}: the student id {sid!r} points outside the submission folder"
+            continue
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
@@ -316,6 +387,7 @@ class StudentReport:
     messages: Dict[str, str] = field(default_factory=dict)
     problems: List[str] = field(default_factory=list)
     flags: List[str] = field(default_factory=list)
+    status: str = "graded"
 
     @property
     def total(self) -> float:
@@ -339,7 +411,7 @@ class StudentReport:
         auto = [k for k in self.scores if k not in self.manual]
         pending = f", {len(self.manual)} written answer(s) to grade by hand" if self.manual else ""
         head = f"{self.student}: {sum(self.scores[k] for k in auto):g} / {sum(self.max_scores[k] for k in auto):g}"
-        out = [f"{head} autograded points{pending}"]
+        out = [f"{head} autograded points{pending}" + ("" if self.status == "graded" else f" ({self.status})")]
         for k in auto:
             line = f"    {k:<16} {self.scores[k]:g} / {self.max_scores[k]:g}"
             if self.messages.get(k):
@@ -424,14 +496,14 @@ def _write_reports(root: Path, chapter: str, reports: List[StudentReport]) -> No
         keys += [k for k in r["max_scores"] if k not in keys]
     with open(folder / f"{chapter}.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
-        head = ["student", "autograded", "autograded_max", "to_grade_by_hand"]
+        head = ["student", "status", "autograded", "autograded_max", "to_grade_by_hand"]
         w.writerow(head + keys + ["messages", "problems", "review"])
         for r in sorted(rows, key=lambda r: r["student"]):
             auto = [k for k in r["scores"] if k not in r["manual"]]
             got, top = sum(r["scores"][k] for k in auto), sum(r["max_scores"][k] for k in auto)
             messages = "; ".join(f"{k}: {m}" for k, m in r["messages"].items())
             w.writerow(
-                [r["student"], got, top, len(r["manual"])]
+                [r["student"], r.get("status", "graded"), got, top, len(r["manual"])]
                 + [("" if k in r["manual"] else r["scores"].get(k, "")) for k in keys]
                 + [messages, "; ".join(r["problems"]), "; ".join(r["flags"])]
             )
@@ -440,14 +512,15 @@ def _write_reports(root: Path, chapter: str, reports: List[StudentReport]) -> No
 def grade(course, chapter: str, students: Optional[Sequence[str]] = None) -> List[StudentReport]:
     """Autograde the collected submissions of ``chapter`` (all, or ``students``) with nbgrader.
 
-    One ``nbgrader autograde`` run over the students' folders; then a report
+    One ``nbgrader autograde`` run per student (a submission that breaks
+    nbgrader costs that student only, with status ``not graded: <cause>``),
+    each graded cell decided in the guarded worker; then a report
     per student: autograded points per exercise, the one-line reason for each
     failed check (the student's own failing cell when that is the cause), the
     written answers left to grade by hand, the problems found when the file
     was collected, and the suspicious lines for review. Reports are written
     to ``reports/<chapter>.json`` and ``.csv``.
     """
-    from nbgrader.api import Gradebook, MissingEntry
 
     root = _root(course)
     sub = root / "submitted"
@@ -462,58 +535,80 @@ def grade(course, chapter: str, students: Optional[Sequence[str]] = None) -> Lis
             raise ValueError(f"students: no collected submission of {chapter} for {unknown}; collected: {available}")
     if not students:
         raise ValueError(f"chapter: no collected submissions of {chapter!r} in {root}; run collect first")
+    from .grading import close_sandboxes, record_path
+
     api = _api(root)
-    failures = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if list(students) == available:
-            res = api.autograde(chapter, "*", force=True)
-            if not res["success"]:
-                failures["*"] = _one_line(res)
-        else:
-            for s in students:
-                res = api.autograde(chapter, s, force=True)
-                if not res["success"]:
-                    failures[s] = _one_line(res)
     release_nb = read_notebook(root / "release" / chapter / f"{chapter}.ipynb")
     log_file = _log_path(root, chapter)
     collected = json.loads(log_file.read_text()) if log_file.is_file() else {}
     reports = []
-    with Gradebook(_config(root).CourseDirectory.db_url) as gb:
-        for s in students:
-            graded = root / "autograded" / s / chapter / f"{chapter}.ipynb"
-            problems = list(collected.get(s, {}).get("problems", []))
-            submitted = read_notebook(sub / s / chapter / f"{chapter}.ipynb")
-            flags = suspicious_code(submitted)
-            if not graded.is_file():
-                why = failures.get(s) or failures.get("*") or "nbgrader autograde produced no output"
-                problems.append(f"could not be autograded: {why}")
-                scores = {g: 0.0 for g, p in _graded(release_nb).items()}
-                reports.append(StudentReport(s, chapter, scores, _graded(release_nb), [], {}, problems, flags))
-                continue
-            nb = read_notebook(graded)
-            try:
-                sn = gb.find_submission_notebook(chapter, chapter, s)
-            except MissingEntry:
-                problems.append("not in the gradebook after autograding")
-                continue
-            scores, max_scores, manual = {}, {}, []
-            for g in sn.grades:
-                max_scores[g.name] = float(g.max_score)
-                scores[g.name] = float(g.score)
-                if g.cell.cell_type == "markdown" or g.needs_manual_grade and g.auto_score is None:
-                    manual.append(g.name)
-            order = list(_graded(release_nb))
-            scores = {k: scores[k] for k in sorted(scores, key=lambda k: order.index(k) if k in order else 99)}
-            max_scores = {k: max_scores[k] for k in scores}
-            msgs = _messages(nb, release_nb)
-            for j, c in enumerate(nb["cells"]):
-                meta = _nbgrader(c)
-                if c.get("cell_type") == "code" and not meta.get("grade") and _error(c) is not None:
-                    problems.append(f"{_cell_name(c, j)} raised {_describe(*_error(c))}")
-            reports.append(StudentReport(s, chapter, scores, max_scores, manual, msgs, problems, flags))
+    try:
+        for s in students:  # one student at a time: a submission cannot change another's grade
+            record = record_path(root, chapter, s)
+            if record.exists():
+                record.unlink()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    res = api.autograde(chapter, s, force=True)
+                    failure = None if res["success"] else _one_line(res)
+                except Exception as exc:  # noqa: BLE001 - one student's failure, reported as such
+                    failure = f"{type(exc).__name__}: {exc}"
+            reports.append(_report(root, chapter, s, release_nb, collected, failure))
+    finally:
+        close_sandboxes()
     _write_reports(root, chapter, reports)
     return reports
+
+
+def _report(root: Path, chapter: str, s: str, release_nb: dict, collected: dict, failure) -> StudentReport:
+    """The report of one student after nbgrader's autograde (with :mod:`attnlib.course.grading`'s record)."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    from .grading import record_path
+
+    sub = root / "submitted"
+    graded = root / "autograded" / s / chapter / f"{chapter}.ipynb"
+    problems = list(collected.get(s, {}).get("problems", []))
+    flags = suspicious_code(read_notebook(sub / s / chapter / f"{chapter}.ipynb"))
+    path = record_path(root, chapter, s)
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    for line in record.get("sanitized", []):
+        flags.append(f"{line} (raw HTML or a script link in the student's Markdown)")
+    msgs = {}
+    for name, err in record.get("cell_errors", {}).items():
+        problems.append(f"cell {name} raised {err}")
+    for gid, v in record.get("verdicts", {}).items():
+        flags += v["flags"]
+        if not v["passed"]:
+            msgs[gid] = v["message"]
+    zero = {g: 0.0 for g in _graded(release_nb)}
+    if failure is not None or not graded.is_file():
+        why = failure or "nbgrader autograde produced no output"
+        return StudentReport(s, chapter, zero, _graded(release_nb), [], msgs, problems, flags, f"not graded: {why}")
+    with Gradebook(_config(root).CourseDirectory.db_url) as gb:
+        try:
+            sn = gb.find_submission_notebook(chapter, chapter, s)
+        except MissingEntry:
+            status = "not graded: not in the gradebook after autograding"
+            return StudentReport(s, chapter, zero, _graded(release_nb), [], msgs, problems, flags, status)
+        scores, max_scores, manual = {}, {}, []
+        for g in sn.grades:
+            max_scores[g.name] = float(g.max_score)
+            scores[g.name] = float(g.score)
+            if g.cell.cell_type == "markdown" or g.needs_manual_grade and g.auto_score is None:
+                manual.append(g.name)
+    order = list(_graded(release_nb))
+    scores = {k: scores[k] for k in sorted(scores, key=lambda k: order.index(k) if k in order else 99)}
+    max_scores = {k: max_scores[k] for k in scores}
+    nb = read_notebook(graded)
+    for gid, m in _messages(nb, release_nb).items():
+        msgs.setdefault(gid, m)
+    for j, c in enumerate(nb["cells"]):
+        meta = _nbgrader(c)
+        if c.get("cell_type") == "code" and not meta.get("grade") and _error(c) is not None:
+            problems.append(f"{_cell_name(c, j)} raised {_describe(*_error(c))}")
+    return StudentReport(s, chapter, scores, max_scores, manual, msgs, problems, list(dict.fromkeys(flags)))
 
 
 def _graded(nb: dict) -> Dict[str, float]:
@@ -537,11 +632,33 @@ def export(course, to) -> Path:
     plugin.log.setLevel(logging.ERROR)
     with Gradebook(_config(root).CourseDirectory.db_url) as gb:
         plugin.export(gb)
+    # a status column: a failed grading is never a silent 0
+    status = {}
+    for rep in sorted((root / "reports").glob("*.json")) if (root / "reports").is_dir() else []:
+        if rep.stem.endswith("-collect"):
+            continue
+        for r in json.loads(rep.read_text()).values():
+            status[(r["chapter"], r["student"])] = r.get("status", "graded")
+    with open(to, newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    if rows:
+        a, sid = rows[0].index("assignment"), rows[0].index("student_id")
+        rows[0].append("status")
+        for row in rows[1:]:
+            row.append(status.get((row[a], row[sid]), "not submitted" if row[a] else ""))
+        with open(to, "w", newline="", encoding="utf-8") as fh:
+            csv.writer(fh).writerows(rows)
     return to
 
 
 def feedback(course, chapter: str) -> Path:
-    """nbgrader's HTML feedback for every autograded submission of ``chapter``; returns ``feedback/``."""
+    """nbgrader's HTML feedback for every autograded submission of ``chapter``; returns ``feedback/``.
+
+    Every page gets a Content-Security-Policy that allows no script and no
+    fetch (``CSP``), and loses nbgrader's scripts and external style
+    sheets: formulas show as TeX source. The students' Markdown was made
+    safe when it was graded (:class:`attnlib.course.grading.SanitizeSubmission`).
+    """
     root = _root(course)
     if not (root / "autograded").is_dir():
         raise ValueError(f"chapter: nothing autograded in {root}; run grade first")
@@ -550,4 +667,21 @@ def feedback(course, chapter: str) -> Path:
         res = _api(root).generate_feedback(chapter)
     if not res["success"]:
         raise RuntimeError(f"nbgrader generate_feedback failed for {chapter}: {_one_line(res)}")
+    for page in (root / "feedback").glob(f"*/{chapter}/*.html"):
+        page.write_text(_locked_down(page.read_text(encoding="utf-8")), encoding="utf-8")
     return root / "feedback"
+
+
+#: The feedback pages run no script and fetch nothing (the student's content is sanitized as well).
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+
+
+def _locked_down(html: str) -> str:
+    """A feedback page with a Content-Security-Policy first in its head and without scripts or external loads."""
+    import re
+
+    html = re.sub(r"<script\b.*?</script\s*>", "", html, flags=re.S | re.I)
+    html = re.sub(r"<link\b[^>]*>", "", html, flags=re.I)
+    meta = f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+    head = re.search(r"<head[^>]*>", html, flags=re.I)
+    return html[: head.end()] + meta + html[head.end() :] if head else meta + html

@@ -18,10 +18,13 @@ into the notebook an nbgrader course keeps in ``source/<chapter>/``:
 * the solution cells as they are (nbgrader's ``generate_assignment``
   replaces the ``### BEGIN SOLUTION`` regions by stubs and the written
   answer cells by ``YOUR ANSWER HERE``);
-* every graded cell with a hidden test appended: the self-contained grader
-  of :mod:`attnlib.course.hidden` and the exercise's cases and expected
-  values as literals (:func:`attnlib.course.exercises.hidden_spec`), and
-  with ``hints=False`` in the visible check for a release without hints.
+* every graded cell with a hidden-test region that only names the exercise
+  (:func:`hidden_test`; the grade is decided outside the student's kernel, on
+  hidden cases drawn from the release's secret seed, see
+  :mod:`attnlib.course.grading`), and with ``hints=False`` in the visible
+  check for a release without hints;
+* the release's fingerprint in the notebook metadata (``attnlib``), by which
+  ``collect`` tells a handout of this release from any other notebook.
 
 Cell ids of the kept cells are the master's, so a submission can be traced
 to its chapter by its cell ids.
@@ -30,7 +33,6 @@ to its chapter by its cell ids.
 from __future__ import annotations
 
 import json
-import pprint
 import re
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -50,7 +52,6 @@ EXERCISES_HEADING = "## Exercises"
 #: Cells with one of these tags exist only for the book and are not in a student's version.
 BOOK_ONLY_TAGS = frozenset({"solution-markup", "remove-cell", "book-only"})
 _CHECK = re.compile(r"""exercises\.check\(\s*["'](?P<key>[\d.]+)["']\s*,\s*(?P<fn>[A-Za-z_]\w*)\s*\)""")
-_HIDDEN_FN = "_attnlib_hidden_test"
 
 
 def read_notebook(path) -> dict:
@@ -114,39 +115,24 @@ def _setup_cell(nb: dict, start: int, chapter: str) -> dict:
 
 
 def hidden_test(key: str, fn: str) -> str:
-    """The hidden-test region for the graded cell of exercise ``key`` whose function is ``fn``.
+    """The hidden-test region of the graded cell of exercise ``key`` whose function is ``fn``.
 
-    The grader's source (:mod:`attnlib.course.hidden`) is pasted into one
-    function so that it defines no name in the student's namespace except
-    that function's; the spec is a literal computed now by the library.
+    The region only names the exercise: the grade is decided outside the
+    student's kernel (:class:`attnlib.course.grading.GradeInSandbox`) on
+    hidden cases drawn from the release's seed, which is not in any notebook.
     """
-    from . import exercises, hidden
-
-    src = Path(hidden.__file__).read_text(encoding="utf-8")
-    body = "\n".join(("    " + line) if line.strip() else "" for line in src.splitlines())
-    spec = pprint.pformat(exercises.hidden_spec(key), width=110, compact=True, sort_dicts=False)
-    spec = "\n".join("    " + line for line in ("SPEC = " + spec).splitlines())
     return (
         "### BEGIN HIDDEN TESTS\n"
-        f"def {_HIDDEN_FN}(fn):\n"
-        f'    """Hidden test of exercise {key}: the grader of attnlib.course.hidden and the fixed cases."""\n\n'
-        f"{body}\n\n"
-        f"{spec}\n"
-        "    return grade(fn, SPEC)\n\n\n"
-        f"{_HIDDEN_FN}({fn})\n"
+        f"# graded by attnlib.course: {fn} on the hidden cases of exercise {key}, outside this notebook\n"
         "### END HIDDEN TESTS"
     )
 
 
-def _code_cell(cell, source: str) -> dict:
-    return {
-        "cell_type": "code",
-        "execution_count": None,
-        "id": cell["id"],
-        "metadata": _clean_meta(cell),
-        "outputs": [],
-        "source": source,
-    }
+def _code_cell(cell, source: str):
+    """An nbformat code cell with the master's id and cleaned metadata."""
+    from nbformat.v4 import new_code_cell
+
+    return new_code_cell(source, id=cell["id"], metadata=_clean_meta(cell))
 
 
 def _clean_meta(cell) -> dict:
@@ -157,6 +143,34 @@ def _clean_meta(cell) -> dict:
     if tags:
         meta["tags"] = tags
     return meta
+
+
+def _book_only_removed(cells: List[dict]) -> List[dict]:
+    """The cells without the book's: tagged ``BOOK_ONLY_TAGS``, or inside a solution dropdown (nbconvert's TagRemove).
+
+    Cells between ``{solution-start}`` and ``{solution-end}`` that are not
+    nbgrader solution cells (the worked solution's explanation) are tagged
+    ``book-only`` first, then nbconvert's ``TagRemovePreprocessor`` drops every
+    tagged cell.
+    """
+    import copy
+
+    import nbformat
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
+    marked, inside = [], False
+    for cell in copy.deepcopy(cells):
+        src = _source(cell)
+        inside = inside or "{solution-start}" in src
+        if inside and not _nbgrader(cell).get("solution"):
+            meta = cell.setdefault("metadata", {})
+            meta["tags"] = list(meta.get("tags", [])) + ["book-only"]
+        inside = inside and "{solution-end}" not in src
+        marked.append(cell)
+    node = nbformat.from_dict({"cells": marked, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+    pre = TagRemovePreprocessor(remove_cell_tags=set(BOOK_ONLY_TAGS), enabled=True)
+    node, _ = pre.preprocess(node, {})
+    return node.cells
 
 
 def book_notebooks(book: Path):
@@ -199,26 +213,34 @@ optimum*. Read the chapter first; the exercises build on its results and notatio
 
 * **Functions.** Write each function in the code cell under its exercise, in place of
   `raise NotImplementedError()`, and keep its name. Then run the check cell after it: {checks}.
-  Your grade comes from hidden tests on the same cases, run when the notebook is graded.
+  Your grade comes from hidden tests on other cases of the same kind, drawn when the assignment
+  was released and run outside your notebook when it is graded.
 * **Library functions.** You may call the library (`al`, from `attnlib`) where an exercise says so.
   An answer that *is* a library function, or that calls the library function the exercise asks
   you to write, earns no points.
 * **Derivations and explanations** go in the answer cells (`YOUR ANSWER HERE`), in Markdown with
   `$...$` for formulas; they are graded by hand.
-* The grey cells (this one, the import cell below and the check cells) are locked: do not delete
-  or change them, they are restored when the notebook is graded. Put your own imports in your
-  solution cells.
+* This cell, the import cell below and the check cells are read-only (JupyterLab does not let
+  you edit or delete them); if one is changed anyway, the original is used for grading. Put your
+  own imports in your solution cells, and keep your code in functions: grading runs your code
+  cells without the check cells, with a time limit, and without access to files.
 * Before you hand in: *Kernel, Restart Kernel and Run All Cells*, and check that every cell ran."""
 
 
-def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
-    """The nbgrader source notebook (a dict, nbformat 4) of ``chapter``'s exercise section.
+def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerprint: Optional[str] = None) -> dict:
+    """The nbgrader source notebook (an nbformat 4 ``NotebookNode``, validated) of ``chapter``'s exercise section.
 
     ``hints=False`` makes the visible checks give no hints (for graded use).
+    ``fingerprint`` (a release's, see :func:`attnlib.course.coursedir.release`)
+    goes into the notebook metadata as ``{"attnlib": {"chapter", "release"}}``,
+    so that ``collect`` can tell a handout of this release from anything else.
     Raises ``ValueError`` naming the argument if the chapter does not exist or
     has no exercise section, and for a graded cell that does not call
     ``exercises.check("<key>", <function>)``.
     """
+    import nbformat
+    from nbformat.v4 import new_markdown_cell, new_notebook
+
     from . import BOOK_DIR
     from .exercises import EXERCISES
     from .myst import labels_of, read_bib, to_markdown
@@ -242,47 +264,20 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
 
     title = docs.get(chapter, chapter)
     setup = _setup_cell(nb, start, chapter)
-    cells = [
-        {
-            "cell_type": "markdown",
-            "id": f"handout-{chapter}"[:64],
-            "metadata": {
-                "nbgrader": {
-                    "grade": False,
-                    "grade_id": "handout-header",
-                    "locked": True,
-                    "schema_version": 3,
-                    "solution": False,
-                    "task": False,
-                }
-            },
-            "source": _header(chapter, title, hints),
-        }
-    ]
-    setup_meta = {"grade": False, "grade_id": "setup", "locked": True, "schema_version": 3, "solution": False}
-    setup_meta["task"] = False
+    lock = {"grade": False, "locked": True, "schema_version": 3, "solution": False, "task": False}
+    header = {"nbgrader": dict(lock, grade_id="handout-header")}
+    cells = [new_markdown_cell(_header(chapter, title, hints), id=f"handout-{chapter}"[:64], metadata=header)]
     cells.append(_code_cell(setup, _source(setup)))
-    cells[-1]["metadata"]["nbgrader"] = setup_meta
+    cells[-1]["metadata"]["nbgrader"] = dict(lock, grade_id="setup")
 
-    inside = False
-    for cell in nb["cells"][start:]:
+    for cell in _book_only_removed(nb["cells"][start:]):
         src = _source(cell)
         grader = _nbgrader(cell)
-        tags = set(_meta(cell).get("tags", []))
-        opens, closes = "{solution-start}" in src, "{solution-end}" in src
-        if opens:
-            inside = True
-        if closes:
-            inside = False
-        if tags & BOOK_ONLY_TAGS or opens or closes:
-            continue
-        if inside and not grader.get("solution"):
-            continue
         if cell.get("cell_type") == "markdown":
             text = convert(src)
             if not text.strip() and not grader:
                 continue
-            cells.append({"cell_type": "markdown", "id": cell["id"], "metadata": _clean_meta(cell), "source": text})
+            cells.append(new_markdown_cell(text, id=cell["id"], metadata=_clean_meta(cell)))
         elif cell.get("cell_type") == "code":
             if grader.get("grade"):
                 m = _CHECK.search(src)
@@ -295,4 +290,7 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True) -> dict:
                 src = visible.rstrip() + "\n" + hidden_test(m["key"], m["fn"])
             cells.append(_code_cell(cell, src))
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
-    return {"cells": cells, "metadata": meta, "nbformat": 4, "nbformat_minor": max(5, nb.get("nbformat_minor", 5))}
+    meta["attnlib"] = {"chapter": chapter, "release": fingerprint}
+    out = new_notebook(cells=cells, metadata=meta)
+    nbformat.validate(out)
+    return out

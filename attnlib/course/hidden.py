@@ -1,40 +1,60 @@
-"""The hidden tests of the course assignments: a self-contained grader.
+r"""The hidden tests: a student's functions run in a separate, guarded process; the grade is decided outside it.
 
-At release, :mod:`attnlib.course` pastes the source of this module (indented
-into one function) into the hidden-test region of every graded cell (between
-nbgrader's hidden-test delimiter comments), followed by the exercise's
-test cases and expected values as Python literals, computed by the library
-when the assignment is released. nbgrader stores that cell in its gradebook,
-removes the region from the student version and puts it back when it
-autogrades. So the grade of a submission does not depend on anything the
-student's cells can rebind: not on :func:`attnlib.course.exercises.check`,
-not on the library functions that computed the expected values, not on
-numpy's or torch's comparison functions (the comparison below is pure
-Python on ``tolist()`` values).
+Grading never runs a student's code in the process that knows the answers.
+For every graded cell of a submission, :class:`Sandbox` forks a fresh worker
+from a *zygote* process (which imported torch, numpy and the whole of
+``attnlib`` once, and never runs student code itself). The worker
 
-Policy for library functions (also stated on the book's instructors page):
-an answer that *is* a function of ``attnlib`` (``my_to_factor = al.to_factor``,
-a ``functools.partial`` of one, a grader's reference) or that calls, directly
-or through a wrapper, one of the library functions the exercise asks the
-student to write (found with ``sys.setprofile`` by the file and name of
-the code that runs, so renaming does not hide it) earns nothing for that
-exercise; the message names the function.
+1. runs the handout's own import cell (trusted, from the release);
+2. disables the library functions the exercise asks the student to write
+   (``Exercise.forbidden``): their code objects are replaced, in place, by a
+   trap that reports the call and raises, so every route to them (an alias,
+   ``functools.partial``, a wrapper, a bound method, a lazy object whose
+   ``__float__`` calls them, a call deferred to the result's conversion)
+   ends in the trap, and the original code is not kept anywhere;
+3. installs an audit hook (``sys.addaudithook``, which cannot be removed)
+   that refuses, and reports, reading the library's, the book's or the course's
+   files, writing any file, starting processes, ``ctypes``, sockets and
+   ``gc``'s object lists, and, while the function runs, the interpreter's
+   frames (``sys._getframe``, ``tb_frame``, ``gi_frame``; at the top level of a
+   cell they are allowed and noted, for ``namedtuple`` or ``logging``);
+4. runs the student's own code cells up to the graded cell in a fresh
+   namespace, each in its own ``try``, then calls the function on the hidden
+   cases, and turns each result into plain numbers (:func:`plain`: exact
+   ``torch.Tensor``, ``numpy.ndarray``, numbers and tuples of them, nothing
+   with a method of the student's own) before it writes them to its pipe.
 
-The module only imports the standard library at import time (torch and
-numpy are imported when test inputs are built); every public name is used by
-:mod:`attnlib.course.exercises` as well.
+The worker never sees an expected value: those are computed by the library in
+the instructor's process, which compares (:mod:`attnlib.course.exercises`).
+A stuck worker is killed after the time limit, a worker that dies
+(``os._exit``, a crash) or exits (``SystemExit``) costs that graded cell
+only, and each event is reported as what happened.
+
+Standard library only at import time.
 """
 
-import math
+from __future__ import annotations
+
+import json
+import os
 import sys
+
+__all__ = ["ExerciseError", "encode", "decode", "plain", "Sandbox", "VISIBLE_SEED"]
+
+#: The seed of the cases every student sees (the book's and the handout's visible checks).
+VISIBLE_SEED = 0
+_MAX_OUTPUT = 1 << 22  # bytes a worker may report
 
 
 class ExerciseError(AssertionError):
     """A submitted function does not solve its exercise; the message says why, on one line."""
 
 
+# ----------------------------------------------------------------------------- plain data
+
+
 def encode(x):
-    """A Python literal (dicts, lists, floats) for a tensor, an array, a number or a tuple of them."""
+    """A JSON literal (dicts, lists, floats) for a tensor, an array, a number or a tuple of them (trusted input)."""
     if isinstance(x, (tuple, list)):
         return {"tuple": [encode(v) for v in x]}
     if hasattr(x, "detach"):  # torch tensor
@@ -49,7 +69,7 @@ def encode(x):
 
 
 def decode(obj):
-    """The object :func:`encode` describes (float64 tensors and arrays)."""
+    """The object :func:`encode` (or :func:`plain`) describes: float64 tensors, arrays, floats, tuples."""
     if isinstance(obj, dict) and "tuple" in obj:
         return tuple(decode(v) for v in obj["tuple"])
     if isinstance(obj, dict) and "torch" in obj:
@@ -60,217 +80,624 @@ def decode(obj):
         import numpy
 
         return numpy.array(obj["v"], dtype=numpy.float64).reshape(obj["numpy"])
+    if isinstance(obj, dict) and "shape" in obj:
+        import torch
+
+        return torch.tensor(obj["v"], dtype=torch.float64).reshape(obj["shape"])
     return obj
 
 
-def _nested(values, shape):
-    """A flat list as nested lists of the given shape."""
-    if len(shape) <= 1:
-        return list(values)
-    step = len(values) // shape[0] if shape[0] else 0
-    return [_nested(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+_REFS: dict = {}
 
 
-def flatten(x, what="the result"):
-    """``(shape, [floats])`` of a tensor, an array, a number or nested lists of numbers."""
-    if hasattr(x, "detach"):
-        x = x.detach()
-    if hasattr(x, "cpu"):
-        x = x.cpu()
-    if hasattr(x, "shape") and hasattr(x, "tolist"):
-        shape, x = tuple(int(s) for s in x.shape), x.tolist()
-    elif isinstance(x, (list, tuple)):
-        shape = None
-    elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        return (), [float(x)]
-    else:
-        raise ExerciseError(f"{what} is a {type(x).__name__}, expected a tensor, an array or a number")
-    flat, dims = [], []
+def _refs() -> dict:
+    """References to every builtin and method :func:`plain` uses, taken once (before any student code runs)."""
+    if not _REFS:
+        import builtins
 
-    def walk(v, depth):
-        if isinstance(v, (list, tuple)):
-            if len(dims) <= depth:
-                dims.append(len(v))
-            elif dims[depth] != len(v):
-                raise ExerciseError(f"{what} is a ragged list of numbers")
-            for w in v:
-                walk(w, depth + 1)
-        else:
-            try:
-                flat.append(float(v))
-            except (TypeError, ValueError):
-                raise ExerciseError(f"{what} holds a {type(v).__name__}, expected numbers") from None
+        import numpy
+        import torch
 
-    walk(x, 0)
-    return (shape if shape is not None else tuple(dims)), flat
-
-
-def library_name(code):
-    """``"attnlib.geometry.to_factor"`` for a code object of the attnlib package, else ``None``."""
-    path = str(getattr(code, "co_filename", "")).replace("\\", "/")
-    marker = "/attnlib/"
-    if marker not in path or not path.endswith(".py"):
-        return None
-    module = "attnlib." + path.rsplit(marker, 1)[1][: -len(".py")].replace("/", ".")
-    if module.endswith(".__init__"):
-        module = module[: -len(".__init__")]
-    return module + "." + getattr(code, "co_qualname", code.co_name)
+        _REFS.update(
+            type=type,
+            float=float,
+            int=int,
+            len=len,
+            list=list,
+            tuple=tuple,
+            str=str,
+            isinstance=isinstance,
+            builtins_float=builtins.float,
+            Tensor=torch.Tensor,
+            t_detach=torch.Tensor.detach,
+            t_cpu=torch.Tensor.cpu,
+            t_size=torch._C.TensorBase.size,
+            t_is_complex=torch._C.TensorBase.is_complex,
+            t_reshape=torch._C.TensorBase.reshape,
+            t_tolist=torch._C.TensorBase.tolist,
+            ndarray=numpy.ndarray,
+            a_reshape=numpy.ndarray.reshape,
+            a_tolist=numpy.ndarray.tolist,
+            scalars=(
+                numpy.float64,
+                numpy.float32,
+                numpy.float16,
+                numpy.int64,
+                numpy.int32,
+                numpy.int16,
+                numpy.int8,
+                numpy.uint8,
+            ),
+            np_dtype_kind=lambda a: a.dtype.kind,
+        )
+    return _REFS
 
 
-def library_origin(fn):
-    """The attnlib name of ``fn`` if it is (a partial or bound method of) a library function, else ``None``."""
-    for _ in range(10):
-        inner = getattr(fn, "func", None) or getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
-        if inner is None:
-            break
-        fn = inner
-    code = getattr(fn, "__code__", None)
-    if code is None:  # an instance of a class with a __call__ method
-        code = getattr(vars(type(fn)).get("__call__"), "__code__", None)
-    return library_name(code) if code is not None else None
+def plain(x, what="the result", _depth=0):
+    """``x`` as plain data: ``{"shape": [...], "v": [floats]}`` or ``{"tuple": [...]}``; else :class:`ExerciseError`.
 
-
-def _is_forbidden(name, forbidden):
-    for f in forbidden:
-        if name == f or (f.endswith(".*") and name.startswith(f[:-1])):
-            return True
-    return False
-
-
-def watched_call(fn, args, forbidden):
-    """Call ``fn(*args)``, recording the forbidden library functions it runs.
-
-    Returns ``(result, calls, tampered)``: the names of the forbidden
-    functions that ran, and whether the call removed or replaced the profiler.
+    Accepts exactly ``torch.Tensor`` (no subclass), ``numpy.ndarray`` of
+    numbers, numpy and Python numbers, tuples of those, and nested lists of
+    numbers. Everything is read with references taken before student code ran,
+    so no method of an object of the student's own runs here.
     """
-    calls = []
+    r = _refs()
+    t = r["type"](x)
+    if _depth > 8:
+        raise ExerciseError(f"{what} is nested too deeply")
+    if t is r["Tensor"]:
+        if r["t_is_complex"](x):
+            raise ExerciseError(f"{what} is a complex tensor, expected real numbers")
+        x = r["t_cpu"](r["t_detach"](x))
+        shape = [r["int"](s) for s in r["t_size"](x)]
+        return {"shape": shape, "v": [r["float"](v) for v in r["t_tolist"](r["t_reshape"](x, (-1,)))]}
+    if t is r["ndarray"]:
+        if r["np_dtype_kind"](x) not in ("f", "i", "u"):
+            raise ExerciseError(f"{what} is an array of {x.dtype}, expected numbers")
+        return {
+            "shape": [r["int"](s) for s in x.shape],
+            "v": [r["float"](v) for v in r["a_tolist"](r["a_reshape"](x, -1))],
+        }
+    if t is r["float"] or t is r["int"] or t in r["scalars"]:
+        return {"shape": [], "v": [r["float"](x)]}
+    if t is r["tuple"] or t is r["list"]:
+        items = r["list"](x)
+        if items and all(r["type"](v) in (r["float"], r["int"], r["list"]) for v in items) and t is r["list"]:
+            flat, dims = [], []
 
-    def profiler(frame, event, arg):
-        if event == "call":
-            name = library_name(frame.f_code)
-            if name is not None and _is_forbidden(name, forbidden) and name not in calls:
-                calls.append(name)
+            def walk(v, depth):
+                tv = r["type"](v)
+                if tv is r["list"]:
+                    if r["len"](dims) <= depth:
+                        dims.append(r["len"](v))
+                    elif dims[depth] != r["len"](v):
+                        raise ExerciseError(f"{what} is a ragged list of numbers")
+                    for w in v:
+                        walk(w, depth + 1)
+                elif tv is r["float"] or tv is r["int"]:
+                    flat.append(r["float"](v))
+                else:
+                    raise ExerciseError(f"{what} holds a {tv.__name__}, expected numbers")
 
-    previous = sys.getprofile()
-    sys.setprofile(profiler)
-    try:
-        result = fn(*args)
-    finally:
-        tampered = sys.getprofile() is not profiler
-        sys.setprofile(previous)
-    return result, calls, tampered
-
-
-def policy_violation(fn, name, calls, tampered):
-    """The message for an answer that the library policy gives no points, else ``None``."""
-    origin = library_origin(fn)
-    if origin is not None:
-        return f"{name} is the library function {origin}; the exercise asks you to write it yourself"
-    if calls:  # the first one is the outermost: the one the answer called
-        return f"{name} calls {calls[0]}, a library function that does what the exercise asks you to write"
-    if tampered:
-        return f"{name} changed the interpreter's profiler (sys.setprofile) while it ran"
-    return None
-
-
-def _matmul(a, b):
-    return [[sum(a[i][k] * b[k][j] for k in range(len(b))) for j in range(len(b[0]))] for i in range(len(a))]
-
-
-def _t(a):
-    return [list(r) for r in zip(*a)]
-
-
-def _fro(a):
-    return math.sqrt(sum(v * v for row in a for v in row))
-
-
-def _compare(got, want, rtol, atol, what="the result"):
-    """``None`` if ``got`` matches the encoded ``want`` (numbers, arrays or tuples), else a message."""
-    if isinstance(want, dict) and "tuple" in want:
-        parts = want["tuple"]
-        if not isinstance(got, (tuple, list)) or len(got) != len(parts):
-            return f"expected a tuple of {len(parts)} results, got {type(got).__name__}"
-        for i, (g, w) in enumerate(zip(got, parts)):
-            msg = _compare(g, w, rtol, atol, f"component {i}")
-            if msg is not None:
-                return msg if msg.startswith("component") else f"component {i}: {msg}"
-        return None
-    wshape = tuple(want.get("torch", want.get("numpy", ()))) if isinstance(want, dict) else ()
-    wv = want["v"] if isinstance(want, dict) else [float(want)]
-    gshape, gv = flatten(got, what)
-    if len(gv) == 1 and len(wv) == 1:
-        gshape = wshape
-    if tuple(gshape) != wshape:
-        return f"returned shape {tuple(gshape)}, expected {wshape}"
-    if not all(math.isfinite(v) for v in gv):
-        return "returned NaN or infinite values"
-    err = max((abs(g - w) for g, w in zip(gv, wv)), default=0.0)
-    tol = atol + rtol * max((abs(w) for w in wv), default=0.0)
-    if not err <= tol:
-        return f"largest difference from the expected value {err:.3e} (tolerance {tol:.1e})"
-    return None
+            walk(items, 0)
+            return {"shape": dims, "v": flat}
+        return {"tuple": [plain(v, f"component {i} of {what}", _depth + 1) for i, v in enumerate(items)]}
+    name = f"a {t.__qualname__}" if t.__module__ == "builtins" else "an object of its own class"
+    raise ExerciseError(f"{what} is {name}, expected a tensor, an array or a number")
 
 
-def _verify_minimizer(got, case):
-    """``None`` if ``got`` is a balanced global minimizer for the case's ``(Sigma, M)``, else a message."""
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        return f"expected a pair (A, B), got {type(got).__name__}"
-    S, M, H = (_nested(case[k]["v"], case[k]["torch"]) for k in ("Sigma", "M", "Sigma_half"))
-    k, d = len(M), len(M[0])
-    (sa, va), (sb, vb) = flatten(got[0], "A"), flatten(got[1], "B")
-    if tuple(sa) != (k, d) or tuple(sb) != (d, d):
-        return f"expected A of shape {(k, d)} and B of shape {(d, d)}, got {tuple(sa)} and {tuple(sb)}"
-    if not all(math.isfinite(v) for v in va + vb):
-        return "returned NaN or infinite values"
-    A, B = _nested(va, (k, d)), _nested(vb, (d, d))
-    E = [[x - m for x, m in zip(r, mr)] for r, mr in zip(_matmul(_matmul(A, S), _t(B)), M)]
-    excess = 0.5 * _fro(_matmul(E, H)) ** 2
-    if not excess <= 1e-20 * max(case["scale"], 1.0) + 1e-24:
-        return f"the pair is not a global minimizer: its excess risk is {excess:.3e} (> 0)"
-    At, C = _matmul(A, H), _matmul(_matmul(H, _t(B)), H)
-    G = _matmul(_t(At), At)
-    gap = _fro([[g - c for g, c in zip(r, cr)] for r, cr in zip(G, _matmul(C, _t(C)))])
-    if not gap <= 1e-8 * (_fro(G) + 1e-300):
-        return f"the pair minimizes the loss but is not balanced: ||At^T At - C C^T||_F = {gap:.3e}"
-    return None
+def is_own_object(x) -> bool:
+    """``True`` for a result of a type the student defined (or a subclass of a tensor, an array, a number)."""
+    r = _refs()
+    t = r["type"](x)
+    if t is r["tuple"] or t is r["list"]:
+        return any(is_own_object(v) for v in r["list"](x)[:64])
+    if t in (r["Tensor"], r["ndarray"], r["float"], r["int"], r["str"], type(None)):
+        return False
+    if t in r["scalars"] or t is bool:
+        return False
+    return True
 
 
-def grade(fn, spec):
-    """Run the exercise's fixed test cases on ``fn``; raise :class:`ExerciseError` on the first failure (else ``None``).
+# ----------------------------------------------------------------------------- the worker (a forked child)
 
-    ``spec`` is the literal written at release by
-    :func:`attnlib.course.exercises.hidden_spec`: the key, the function's
-    name, the kind of check (``"value"`` or ``"minimizer"``), the forbidden
-    library functions, tolerances, and the cases with their inputs and
-    expected values.
-    """
-    key, name = spec["key"], spec["name"]
-    head = f"Exercise {key} (graded test)"
-    if not callable(fn):
-        raise ExerciseError(f"{head}: expected a function {name}, got {type(fn).__name__}")
-    cases = spec["cases"]
-    for i, case in enumerate(cases, 1):
-        where = f"case {i} of {len(cases)} ({case['desc']})"
-        args = tuple(decode(a) for a in case["args"])
+
+def _qualname_functions(pattern: str):
+    """Function objects of attnlib named by ``pattern`` (``"attnlib.mod.qualname"`` or ``"attnlib.mod.*"``)."""
+    import inspect
+    import types
+
+    out = []
+
+    def unwrap(obj):
+        seen = 0
+        while obj is not None and seen < 10:
+            if isinstance(obj, (staticmethod, classmethod)):
+                obj = obj.__func__
+            elif isinstance(obj, property):
+                for f in (obj.fget, obj.fset, obj.fdel):
+                    unwrap(f)
+                return
+            elif callable(getattr(obj, "func", None)) and not isinstance(obj, types.FunctionType):
+                obj = obj.func  # functools.cached_property, partial
+            elif isinstance(obj, types.FunctionType):
+                out.append(obj)
+                obj = getattr(obj, "__wrapped__", None)
+            else:
+                return
+            seen += 1
+
+    if pattern.endswith(".*"):
+        modname = pattern[:-2]
+        mod = sys.modules.get(modname)
+        if mod is None:
+            return out
+        for value in list(vars(mod).values()):
+            if isinstance(value, types.FunctionType) and value.__module__ == modname:
+                unwrap(value)
+            elif inspect.isclass(value) and value.__module__ == modname:
+                for attr in vars(value).values():
+                    unwrap(attr)
+        return out
+    parts = pattern.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mod = sys.modules.get(".".join(parts[:i]))
+        if mod is None:
+            continue
+        obj = mod
         try:
-            got, calls, tampered = watched_call(fn, args, spec["forbidden"])
+            for name in parts[i:-1]:
+                obj = vars(obj)[name]
+            unwrap(vars(obj)[parts[-1]])
+        except (KeyError, TypeError):
+            pass
+        break
+    return out
+
+
+def _trap_code(name: str, freevars):
+    """A code object that raises (the forbidden call reported first), with the free variables of the original."""
+    lines = ["def _outer():"]
+    lines += [f"    {v} = None" for v in freevars]
+    lines += ["    def _trap(*args, **kwargs):"]
+    if freevars:
+        lines += ["        " + ", ".join(freevars)]
+    lines += [f"        raise _attnlib_forbidden_call({name!r})", "    return _trap"]
+    ns: dict = {}
+    exec("\n".join(lines), ns)  # noqa: S102 - our own fixed source
+    return ns["_outer"]().__code__
+
+
+def _install_traps(forbidden, report, state):
+    """Replace the code of every forbidden library function by a trap; the originals are dropped."""
+
+    def forbidden_call(name):
+        report({"forbidden": name, "phase": state["phase"]})
+        return ExerciseError(f"{name} is not available while this exercise is graded (it is the exercise's answer)")
+
+    for pattern in forbidden:
+        for fn in _qualname_functions(pattern):
+            fn.__globals__["_attnlib_forbidden_call"] = forbidden_call
+            mod = fn.__module__ or "attnlib"
+            full = f"{mod}.{fn.__qualname__}"
+            try:
+                fn.__code__ = _trap_code(full, fn.__code__.co_freevars)
+            except ValueError:  # pragma: no cover - a closure layout the trap cannot copy
+                pass
+
+
+def _install_guard(report, state, sensitive, allowed):
+    """An audit hook that refuses what grading does not need (it cannot be removed), and reports it."""
+    refuse = {
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "os.kill",
+        "os.killpg",
+        "pty.spawn",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "sys.setprofile",
+        "sys.settrace",
+        "socket.connect",
+        "socket.bind",
+        "socket.__new__",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.cdata",
+        "ctypes.addressof",
+        "ctypes.string_at",
+        "ctypes.wstring_at",
+        "ctypes.call_function",
+        "mmap.__new__",
+        "os.chdir",
+    }
+    frames = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+    frame_events = {"sys._getframe", "sys._current_frames"}
+    sensitive, allowed = tuple(sensitive), tuple(allowed)  # nothing the student's code can change
+    startswith = str.startswith
+    realpath = os.path.realpath
+    RuntimeErr = RuntimeError
+    isinstance_ = isinstance
+    strtype = str
+    bytestype = bytes
+    fsdecode = os.fsdecode
+
+    def hook(event, args):
+        what = None
+        serious = True
+        if event in refuse:
+            what = event
+        elif event in frame_events or event == "object.__getattr__" and len(args) > 1 and args[1] in frames:
+            what = f"the interpreter's frames ({event if event in frame_events else args[1]})"
+            if not startswith(state["phase"], "hidden case"):  # a namedtuple, logging, a traceback at top level
+                report({"blocked": what, "serious": False, "allowed": True, "phase": state["phase"]})
+                return
+        elif event == "open":
+            path, mode = args[0], args[1]
+            if isinstance_(path, int):
+                return
+            if isinstance_(path, (strtype, bytestype)):
+                p = realpath(fsdecode(path))
+            else:
+                return
+            writing = isinstance_(mode, strtype) and any(c in mode for c in "wax+")
+            flags = args[2] if len(args) > 2 and isinstance_(args[2], int) else 0
+            writing = writing or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            if any(startswith(p, s) for s in sensitive):
+                what = f"reading {p}"
+            elif writing:
+                what, serious = f"writing {p}", False
+            elif not any(startswith(p, s) for s in allowed):
+                what, serious = f"reading {p}", False
+        if what is None:
+            return
+        report({"blocked": what, "serious": serious, "phase": state["phase"]})
+        raise RuntimeErr(f"{what} is not allowed while a submission is graded")
+
+    sys.addaudithook(hook)
+
+
+def _describe(exc) -> str:
+    """``"ValueError: message"`` on one line, whatever the exception's methods do."""
+    try:
+        name = type(exc).__name__
+        if not isinstance(name, str):
+            name = "an exception"
+    except BaseException:  # noqa: BLE001
+        name = "an exception"
+    try:
+        msg = str(exc)
+        if not isinstance(msg, str):
+            msg = ""
+    except BaseException:  # noqa: BLE001
+        msg = ""
+    msg = " ".join(msg.split())[:300]
+    return f"{name}: {msg}" if msg else name
+
+
+def _worker(job, fd):
+    """The forked child: run the setup and the student's cells, call the function on the cases, report, exit."""
+    import builtins
+
+    write = os.write
+    dumps = json.dumps
+    exit_ = os._exit
+    state = {"phase": "setup"}
+
+    def report(obj):
+        try:
+            write(fd, (dumps(obj) + "\n").encode())
+        except BaseException:  # noqa: BLE001
+            pass
+
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(job["setup"], "<setup cell>", "exec"), ns)  # noqa: S102 - the handout's own cell
+    except BaseException as exc:  # noqa: BLE001
+        report({"setup_error": _describe(exc)})
+        exit_(0)
+    try:  # the visible checks do not run when grading (they would call the references)
+        from attnlib.course import exercises
+
+        exercises.check = lambda *a, **k: None
+        exercises.solved = lambda *a, **k: False
+    except Exception:  # noqa: BLE001
+        pass
+    _install_traps(job["forbidden"], report, state)
+    _install_guard(report, state, job["sensitive"], job["allowed"])
+    own = _refs()
+    is_own = is_own_object
+    for name, src in job["cells"]:
+        state["phase"] = f"cell {name}"
+        report({"cell": name, "start": True})
+        try:
+            exec(compile(src, f"<cell {name}>", "exec"), ns)  # noqa: S102 - the student's cell, in the guarded worker
+            report({"cell": name, "ok": True})
+        except SystemExit:
+            report({"cell": name, "error": "SystemExit", "exit": True})
+        except BaseException as exc:  # noqa: BLE001
+            report({"cell": name, "error": _describe(exc)})
+    fn = ns.get(job["fn"])
+    if fn is None or not callable(fn):
+        report({"missing": own["type"](fn).__name__ if fn is not None else None})
+        exit_(0)
+    for i, enc in enumerate(job["cases"]):
+        args = tuple(decode(a) for a in enc)
+        state["phase"] = f"hidden case {i + 1}"
+        report({"case": i, "start": True})
+        try:
+            result = fn(*args)
+            own_type = is_own(result)
+            try:
+                value = plain(result)
+                err = None
+            except ExerciseError as exc:
+                value, err = None, str(exc)
+            changed = [j for j, (a, e) in enumerate(zip(args, enc)) if isinstance(e, dict) and plain(a)["v"] != e["v"]]
+            report({"case": i, "value": value, "error": err, "own_type": own_type, "changed": changed})
         except NotImplementedError:
-            raise ExerciseError(f"{head}: {name} still raises NotImplementedError (the stub is in place)") from None
-        except Exception as exc:  # noqa: BLE001 - reported to the student
-            raise ExerciseError(f"{head}: {name} raised {type(exc).__name__}: {exc} on {where}") from None
-        msg = policy_violation(fn, name, calls, tampered)
-        if msg is not None:
-            raise ExerciseError(f"{head}: {msg}; no points for this exercise")
-        if got is None:
-            raise ExerciseError(f"{head}: {name} returned None on {where}: a missing `return`?")
-        for a, enc in zip(args, case["args"]):
-            if isinstance(enc, dict) and "v" in enc and flatten(a)[1] != enc["v"]:
-                raise ExerciseError(f"{head}: {name} modified its input in place on {where}")
-        if spec["kind"] == "minimizer":
-            msg = _verify_minimizer(got, case)
-        else:
-            msg = _compare(got, case["expected"], spec["rtol"], spec["atol"])
-        if msg is not None:
-            raise ExerciseError(f"{head}: {name} is not right on {where}: {msg}")
-    # returns None: nbgrader would read a number shown by a graded cell as partial credit
+            report({"case": i, "raised": "NotImplementedError", "stub": True})
+        except SystemExit:
+            report({"case": i, "raised": "SystemExit", "exit": True})
+        except BaseException as exc:  # noqa: BLE001
+            report({"case": i, "raised": _describe(exc)})
+    state["phase"] = "end"
+    report({"end": True})
+    exit_(0)
+
+
+def _preimport():
+    """Import torch, numpy, matplotlib (Agg) and every module of attnlib, so no library file is read later."""
+    import importlib
+    import pkgutil
+
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+        import matplotlib.ticker  # noqa: F401
+    except Exception:  # noqa: BLE001 - matplotlib is optional for grading
+        pass
+    import attnlib
+
+    for info in pkgutil.walk_packages(attnlib.__path__, "attnlib."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # noqa: BLE001 - an optional module that does not import here
+            pass
+    _refs()
+
+
+def _limit_memory(extra: int) -> None:
+    """Address space: what the worker has now (torch and the library) plus ``extra`` bytes."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as fh:
+            now = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (now + extra, now + extra))
+    except (OSError, ValueError):  # pragma: no cover - not Linux
+        pass
+
+
+def _serve():
+    """The zygote: read one job per line on stdin, fork a worker for it, answer one line on stdout."""
+    import select
+    import signal
+    import time
+
+    _preimport()
+    out = sys.stdout
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        r, w = os.pipe()
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            try:
+                os.close(r)
+                os.setpgid(0, 0)
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                os.chdir(job["cwd"])
+                sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+                _limit_memory(job.get("memory", 4 << 30))
+                _worker(job, w)
+            finally:
+                os._exit(0)
+        os.close(w)
+        del job
+        buf, deadline, timed_out = b"", t0 + float(json.loads(line)["timeout"]), False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(r, 65536)
+                if not chunk:
+                    break
+                if len(buf) < _MAX_OUTPUT:
+                    buf += chunk
+        if timed_out:
+            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+                try:
+                    kill()
+                except OSError:
+                    pass
+        _, status = os.waitpid(pid, 0)
+        try:  # anything else the worker started in its group
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        os.close(r)
+        answer = {
+            "lines": buf.decode("utf-8", "replace").splitlines(),
+            "timed_out": timed_out,
+            "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "seconds": time.monotonic() - t0,
+        }
+        print(json.dumps(answer), file=out, flush=True)
+
+
+# ----------------------------------------------------------------------------- the instructor's side
+
+
+_EVENT_TYPES = {
+    "case": int,
+    "cell": str,
+    "phase": str,
+    "blocked": str,
+    "forbidden": str,
+    "raised": str,
+    "error": (str, type(None)),
+    "setup_error": str,
+    "missing": (str, type(None)),
+    "changed": list,
+    "value": (dict, type(None)),
+}
+
+
+def _well_formed(ev) -> bool:
+    """A worker's report as the worker writes it (a student's code could write other lines to the pipe)."""
+    if not isinstance(ev, dict):
+        return False
+    for key, kind in _EVENT_TYPES.items():
+        if key in ev and not isinstance(ev[key], kind) or key == "case" and key in ev and isinstance(ev[key], bool):
+            return False
+    value = ev.get("value")
+    return value is None or _plain_literal(value)
+
+
+def _plain_literal(v, depth=0) -> bool:
+    if depth > 8 or not isinstance(v, dict):
+        return False
+    if "tuple" in v:
+        return isinstance(v["tuple"], list) and all(_plain_literal(w, depth + 1) for w in v["tuple"])
+    shape, vals = v.get("shape"), v.get("v")
+    if not isinstance(shape, list) or not isinstance(vals, list):
+        return False
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return False
+    size = 1
+    for n in shape:
+        size *= n
+    return size == len(vals) and all(isinstance(x, float) for x in vals)
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Sandbox:
+    """A zygote process that forks one guarded worker per graded cell (see the module's docstring).
+
+    ``timeout`` is the limit, in seconds, of one worker; ``sensitive`` are
+    folders whose files a worker may not read (the course folder, the book;
+    the library's own folder is always one). Use as a context manager, or call
+    ``close()``.
+    """
+
+    def __init__(self, timeout: float = 120.0, sensitive=()):
+        import subprocess
+        import tempfile
+
+        if not timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        pkg = os.path.realpath(os.path.join(_package_root(), "attnlib"))
+        self.sensitive = sorted({pkg + os.sep, *(os.path.realpath(str(s)) + os.sep for s in sensitive)})
+        import site
+        import sysconfig
+
+        allowed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sysconfig.get_paths()["stdlib"], os.devnull}
+        allowed |= set(site.getsitepackages()) | {site.getusersitepackages()}
+        self.allowed = sorted(os.path.realpath(a) for a in allowed if a)
+        self._cwd = tempfile.mkdtemp(prefix="attnlib-grading-")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _package_root() + os.pathsep + env.get("PYTHONPATH", "")
+        env["MPLBACKEND"] = "Agg"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "attnlib.course.hidden"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=self._cwd,
+            env=env,
+            text=True,
+        )
+        first = self._proc.stdout.readline()
+        if not first.strip():
+            raise RuntimeError("the grading process did not start (python -m attnlib.course.hidden)")
+
+    def run(self, setup: str, cells, fn: str, cases, forbidden) -> dict:
+        """Run one job: the setup source, ``[(name, source)]`` of student cells, the function's name, encoded cases.
+
+        Returns the zygote's answer: ``lines`` (the worker's reports, parsed;
+        unreadable ones dropped), ``timed_out``, ``exit``, ``signal``, ``seconds``.
+        """
+        job = {
+            "setup": setup,
+            "cells": [list(c) for c in cells],
+            "fn": fn,
+            "cases": cases,
+            "forbidden": list(forbidden),
+            "timeout": self.timeout,
+            "sensitive": self.sensitive,
+            "allowed": self.allowed,
+            "cwd": self._cwd,
+        }
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        answer = json.loads(self._proc.stdout.readline())
+        events = []
+        for line in answer.pop("lines"):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if _well_formed(ev):
+                events.append(ev)
+        answer["events"] = events
+        return answer
+
+    def close(self):
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(10)
+            except Exception:  # noqa: BLE001
+                self._proc.kill()
+        import shutil
+
+        shutil.rmtree(self._cwd, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -8,7 +8,8 @@ notebook front end renders (headings, bold lead-ins, block quotes, ``$$``
 math), so the handouts need no JupyterLab extension. Maths in ``$...$`` and
 ``$$...$$`` is left alone: every front end renders it with MathJax.
 
-Standard library only.
+Directives are found with markdown-it-py (MyST's own parser, with mdit-py-plugins' colon
+fences), references are read with pybtex; roles are rewritten by a regular expression.
 """
 
 from __future__ import annotations
@@ -86,35 +87,36 @@ def _render(name: str, arg: str, options: Dict[str, str], body: str) -> Optional
     return body
 
 
+def _parser():
+    from markdown_it import MarkdownIt
+    from mdit_py_plugins.colon_fence import colon_fence_plugin
+
+    return MarkdownIt("commonmark").use(colon_fence_plugin)
+
+
 def _directives(text: str) -> str:
+    """``text`` with every top-level MyST directive (a fence whose info is ``{name}``) rendered as Markdown.
+
+    The blocks are found by markdown-it-py (with mdit-py-plugins' colon fences, as MyST parses
+    them); a directive's body is converted recursively, other lines are kept as they are.
+    """
     lines = text.split("\n")
     out: List[str] = []
-    i = 0
-    while i < len(lines):
-        m = _OPEN.match(lines[i])
-        if not m:
-            out.append(lines[i])
-            i += 1
+    done = 0
+    for tok in _parser().parse(text):
+        if tok.level != 0 or tok.type not in ("fence", "colon_fence") or not tok.map:
             continue
-        fence, name, arg = m["fence"], m["name"], m["arg"].strip()
-        char, n = fence[0], len(fence)
-        depth, j = 0, i + 1
-        while j < len(lines):
-            line = lines[j].strip()
-            run = len(line) - len(line.lstrip(char))
-            if run >= n and line[:run] == char * run:
-                if line[run:].strip():
-                    depth += 1
-                elif depth:
-                    depth -= 1
-                else:
-                    break
-            j += 1
-        options, body = _body_lines(lines[i + 1 : j])
-        rendered = _render(name, arg, options, _directives("\n".join(body)))
+        m = re.match(r"^\{(?P<name>[\w:.-]+)\}[ \t]*(?P<arg>.*)$", tok.info.strip())
+        if not m:
+            continue
+        start, end = tok.map
+        out += lines[done:start]
+        options, body = _body_lines(tok.content.rstrip("\n").split("\n"))
+        rendered = _render(m["name"], m["arg"].strip(), options, _directives("\n".join(body)))
         if rendered is not None:
             out.append(rendered)
-        i = j + 1
+        done = end
+    out += lines[done:]
     return "\n".join(out)
 
 
@@ -203,15 +205,14 @@ def _clean_tex(s: str) -> str:
 
 
 def read_bib(path) -> Dict[str, str]:
-    """``{key: "Goel et al. 2026"}`` for the entries of a BibTeX file (authors' last names and year)."""
-    text = Path(path).read_text(encoding="utf-8")
+    """``{key: "Goel et al. 2026"}`` for the entries of a BibTeX file (authors' last names and year), read by pybtex."""
+    from pybtex.database import parse_file
+
     out = {}
-    for m in re.finditer(r"@\w+\s*\{\s*([^,\s]+)\s*,(.*?)\n\}", text, re.S):
-        key, body = m.group(1), m.group(2)
-        author = re.search(r"author\s*=\s*\{(.*?)\},?\s*\n", body, re.S)
-        year = re.search(r"year\s*=\s*\{?(\d{4})", body)
-        names = [a.strip() for a in author.group(1).split(" and ")] if author else []
-        last = [_clean_tex(a.split(",")[0] if "," in a else a.split()[-1]) for a in names if a]
+    for key, entry in parse_file(str(path), bib_format="bibtex").entries.items():
+        people = entry.persons.get("author", [])
+        last = [_clean_tex(" ".join(p.prelast_names + p.last_names)) for p in people]
         who = last[0] + " et al." if len(last) > 2 else " and ".join(last) if last else key
-        out[key] = f"{who} {year.group(1)}" if year else who
+        year = entry.fields.get("year")
+        out[key] = f"{who} {year}" if year else who
     return out

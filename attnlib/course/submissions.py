@@ -2,8 +2,9 @@
 
 :func:`inspect_submission` reads one submitted file against the released
 handout of its assignment. A file that cannot be graded raises
-:class:`SubmissionError` with a one-line message (empty, not JSON, not a
-notebook, another chapter's notebook, no cell of the handout). A notebook
+:class:`SubmissionError` with a one-line message (a symbolic link, empty, not
+JSON, not a notebook, a duplicated ``grade_id``, an instructor's notebook,
+another chapter's handout, not a handout of this release). A notebook
 that can be graded but was damaged is repaired from the handout and its
 problems are listed: a deleted graded cell is put back where it was, an
 edited graded or locked cell gets its original source (nbgrader would
@@ -68,17 +69,61 @@ def chapter_of(nb: dict, handouts: Dict[str, set]) -> Optional[str]:
     return best
 
 
-def inspect_submission(path, chapter: str, release: dict, handouts: Dict[str, Tuple[set, set]]):
+_INSTRUCTOR_MARKERS = ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "{solution-start}", "### BEGIN MARK SCHEME")
+
+
+def _check_identity(path: Path, nb: dict, chapter: str, fingerprint: Optional[str], handouts) -> None:
+    """Reject duplicated grade ids, instructors' notebooks and notebooks that are not this release's handout."""
+    seen: Dict[str, int] = {}
+    for i, cell in enumerate(nb["cells"], 1):
+        gid = _nbgrader(cell).get("grade_id")
+        if gid in seen:
+            raise SubmissionError(
+                f"{path}: the grade_id {gid!r} is on two cells ({seen[gid]} and {i}), a duplicated cell; "
+                f"keep one (copy the code into it) and submit again"
+            )
+        if gid:
+            seen[gid] = i
+    for cell in nb["cells"]:
+        if any(m in _source(cell) for m in _INSTRUCTOR_MARKERS):
+            raise SubmissionError(
+                f"{path}: holds worked solutions or hidden tests, so it is an instructor's notebook (the book's "
+                f"master or the course's source), not a student's copy of the {chapter} handout"
+            )
+    meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    mark = meta.get("attnlib") if isinstance(meta.get("attnlib"), dict) else {}
+    if mark.get("chapter") not in (None, chapter):
+        raise SubmissionError(f"{path}: this is the handout of {mark.get('chapter')}, not of {chapter}")
+    if fingerprint is not None and mark.get("release") != fingerprint:
+        other = chapter_of(nb, {k: v for k, v in handouts.items() if k != chapter})
+        if not mark and other is not None and not set(nbgrader_ids(nb)) & handouts.get(chapter, (set(), set()))[0]:
+            raise SubmissionError(f"{path}: this is the notebook of {other}, not of {chapter} (by its cell ids)")
+        why = "has no release fingerprint" if not mark.get("release") else "has the fingerprint of another release"
+        raise SubmissionError(
+            f"{path}: not a copy of this release's {chapter} handout (its metadata {why}); "
+            f"make it from the released {chapter}.ipynb"
+        )
+
+
+def inspect_submission(
+    path, chapter: str, release: dict, handouts: Dict[str, Tuple[set, set]], fingerprint: Optional[str] = None
+):
     """Check one submitted notebook of ``chapter`` against its ``release`` (the handout as a dict).
 
     ``handouts`` maps every chapter to ``(nbgrader ids, cell ids)`` of its
     exercise section, to name the chapter a wrong notebook belongs to.
     Returns ``(notebook, problems)``: the notebook with deleted graded cells
     put back and edited locked cells restored, and one line per problem.
-    Raises :class:`SubmissionError` if the file cannot be graded.
+    Raises :class:`SubmissionError` if the file cannot be graded: a symbolic
+    link, not a notebook, a duplicated ``grade_id``, an instructor's notebook
+    (worked solutions or hidden tests in it), or not a handout of this
+    release (its ``fingerprint`` in the metadata, when given).
     """
     path = Path(path)
+    if path.is_symlink():
+        raise SubmissionError(f"{path}: is a symbolic link; submit the notebook file itself")
     nb = _load(path)
+    _check_identity(path, nb, chapter, fingerprint, handouts)
     mine = set(nbgrader_ids(release))
     present = set(nbgrader_ids(nb))
     if not present & mine:
@@ -139,7 +184,22 @@ def inspect_submission(path, chapter: str, release: dict, handouts: Dict[str, Tu
 
 _MODULE_IMPORTS = (ast.Import, ast.ImportFrom)
 _CALLS = {"setattr", "delattr", "exec", "eval", "compile", "__import__", "get_ipython", "globals", "vars"}
-_MODULES = {"builtins", "gc", "ctypes", "inspect", "importlib", "sys", "IPython", "ipykernel"}
+_MODULES = {
+    "builtins",
+    "gc",
+    "ctypes",
+    "inspect",
+    "importlib",
+    "sys",
+    "IPython",
+    "ipykernel",
+    "subprocess",
+    "multiprocessing",
+    "threading",
+    "_thread",
+    "signal",
+    "socket",
+}
 _SYS_ATTRS = {"setprofile", "settrace", "modules", "excepthook", "_getframe"}
 
 
@@ -164,12 +224,15 @@ def suspicious_code(nb: dict) -> List[str]:
     (``exercises.check = ...``, ``al.to_factor = ...``, ``torch.allclose = ...``),
     calls of ``setattr``, ``exec``, ``eval``, ``get_ipython`` and the like,
     imports of ``builtins``, ``gc``, ``ctypes``, ``sys``, ``inspect``,
-    ``importlib`` or IPython, and ``sys.setprofile``/``settrace``/``modules``.
+    ``importlib``, IPython, ``subprocess``, threads, signals or sockets,
+    ``sys.setprofile``/``settrace``/``modules``, and top-level rebinding of a
+    name that the handout's locked cells or Python's builtins define
+    (``np = ...``, ``def float(x): ...``).
     Locked cells (the handout's own) are skipped; cells that do not parse
     are skipped (their error is reported by grading).
     """
     trees = []
-    modules = set()
+    modules, handout_names = set(), set()
     for i, cell in enumerate(nb["cells"], 1):
         if cell.get("cell_type") != "code":
             continue
@@ -186,8 +249,25 @@ def suspicious_code(nb: dict) -> List[str]:
                 modules.update(a.asname or a.name for a in node.names)
         if not meta.get("locked"):
             trees.append((meta.get("grade_id") or f"cell {i}", tree))
+        else:
+            for node in tree.body:
+                if isinstance(node, ast.Assign):
+                    handout_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    import builtins
+
+    handout_names |= modules | set(dir(builtins))
     out = []
     for name, tree in trees:
+        for node in tree.body:  # the names the handout (or Python) defines, rebound by the student
+            bound = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bound = [t.id for t in targets if isinstance(t, ast.Name)]
+            for b in bound:
+                if b in handout_names and not b.startswith("__"):
+                    out.append(f"{name}, line {node.lineno}: rebinds {b}, a name of the handout or of Python")
         for node in ast.walk(tree):
             what = None
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
