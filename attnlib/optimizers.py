@@ -199,8 +199,8 @@ def preconditioner_map(step: Step, which: int = 0) -> Optional[Callable[[torch.T
     Gradient descent: the identity, or ``Sigma^{-1}`` on the right of ``A`` and on both sides of
     ``B`` (the structured method). Adam and AdamW: division by ``sqrt(v_hat) + eps`` entrywise
     (momentum left out). Shampoo (both implementations): ``L^{-1/4} G R^{-1/4}``. SOAP:
-    ``Q_L [(Q_L^T G Q_R) / (sqrt(v) + eps)] Q_R^T`` (up to its scalar bias correction). Muon's orthogonalized update is not a
-    linear map of the gradient (``None``).
+    ``Q_L [(Q_L^T G Q_R) / (sqrt(v) + eps)] Q_R^T`` (up to its scalar bias correction). Muon's
+    orthogonalized update is not a linear map of the gradient (``None``).
     """
     if which not in (0, 1):
         raise ValueError(f"which: expected 0 (A) or 1 (B), got {which!r}")
@@ -250,7 +250,7 @@ def preconditioner_slope(step: Step, Sigma, which: int = 0) -> float:
         return float("nan")
     d = S.shape[0]
     opt = getattr(step, "opt", None)
-    rows = int(opt.param_groups[0]["params"][which].shape[0]) if opt is not None else 1
+    rows = int(opt.param_groups[0]["params"][which].shape[0]) if opt is not None else (1 if which == 0 else d)
     q = []
     for i in range(d):
         tot = 0.0
@@ -314,7 +314,8 @@ def grid_search(
 
     Diverged runs are disqualified. While the selected step is the lowest or the highest of the
     grid, the grid is extended by one point beyond that end (same log spacing), at most ``extend``
-    times. Returns ``dict(best=History or None, lrs=[...], scores=[... or None], lr=selected,
+    times (when every run diverged: towards smaller steps). Returns ``dict(best=History or None,
+    lrs=[...], scores=[... or None], lr=selected,
     position="interior"|"lowest"|"highest")``.
     """
     grid = sorted(float(x) for x in lrs)
@@ -332,15 +333,13 @@ def grid_search(
 
     for lr in grid:
         ev(lr)
-    for _ in range(extend + 1):
+    for _ in range(extend):
         ok = {lr: s for lr, s in scores.items() if s is not None}
-        if not ok:
-            break
-        lr_best = min(ok, key=lambda x: (ok[x], x))
         lo, hi = min(scores), max(scores)
-        if lr_best == lo and _ < extend:
+        lr_best = min(ok, key=lambda x: (ok[x], x)) if ok else lo  # all diverged: smaller steps
+        if lr_best == lo:
             ev(lo / ratio)
-        elif lr_best == hi and _ < extend:
+        elif lr_best == hi:
             ev(hi * ratio)
         else:
             break
@@ -350,9 +349,7 @@ def grid_search(
         return dict(best=None, lrs=lrs_sorted, scores=[None] * len(lrs_sorted), lr=None, position="none")
     lr_best = min(ok, key=lambda x: (ok[x], x))
     pos = "lowest" if lr_best == lrs_sorted[0] else "highest" if lr_best == lrs_sorted[-1] else "interior"
-    return dict(
-        best=results[lr_best], lrs=lrs_sorted, scores=[scores[x] for x in lrs_sorted], lr=lr_best, position=pos
-    )
+    return dict(best=results[lr_best], lrs=lrs_sorted, scores=[scores[x] for x in lrs_sorted], lr=lr_best, position=pos)
 
 
 def measure(h: History, task: Task, *, n: int = 256, n_sequences: int = 4, seed: int = 0) -> Dict[str, float]:
