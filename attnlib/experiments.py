@@ -666,6 +666,83 @@ SWEEPS["optimizers"] = dict(
 )
 
 
+# ``optimizers_sequence``: the same methods on one training sequence of OPT_SEQ_N tokens (regime (i)), from the
+# small start by the saddle, step size selected by the loss of the finite layer on fresh sequences (OPT_SEQ_HELDOUT
+# of them, never trained on), so that the criterion cannot reward overfitting; evaluated on another set of fresh
+# sequences.
+OPT_SEQ_N = 256
+OPT_SEQ_HELDOUT = 16
+OPT_SEQ_STEPS = 300
+
+
+def _run_optimizers_sequence(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+    from .train import train
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    n = int(spec["n"])
+    X, Y = task.sample(n, seed=derive_seed(int(spec["seed"]), f"optimizers-sequence:n={n}"))
+    method, extra, _ = OPT_METHODS[spec["label"]]
+    start = optimizer_start(task, "saddle", spec["seed"])
+    select_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:select")
+    eval_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:evaluate")
+
+    def run(lr, on_divergence="stop"):
+        return train(
+            X, Y, steps=int(spec["steps"]), lr=float(lr), method=method, init=start, task=task,
+            record_every=int(spec["steps"]), on_divergence=on_divergence, **extra,
+        )  # fmt: skip
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=select_seed)
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            h = res["best"]
+            row.update(
+                train_minus_bayes=float(h.loss[-1]) - task.bayes_risk,
+                excess=float(h.excess[-1]),
+                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=eval_seed) - task.bayes_risk,
+                imbalance=opt.imbalance(h.A, h.B, task),
+                nu=opt.softmax_scale(h.A, h.B, task),
+            )
+        rows.append(row)
+    return rows
+
+
+def _optimizer_sequence_specs(labels, conds, seeds, n=OPT_SEQ_N, steps=OPT_SEQ_STEPS) -> List[dict]:
+    return [
+        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
+        for lab in labels
+        for c in conds
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_sequence"] = dict(
+    func=_run_optimizers_sequence,
+    spec_columns=("label", "cond", "n", "seed", "steps"),
+    columns=(
+        "lr",
+        "selection_loss",
+        "diverged",
+        "selected",
+        "position",
+        "train_minus_bayes",
+        "excess",
+        "heldout",
+        "imbalance",
+        "nu",
+    ),  # fmt: skip
+    full=lambda: _optimizer_sequence_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1)),
+    quick=lambda: _optimizer_sequence_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
+)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -193,3 +193,13 @@ def test_optimizers_sweep_quick():
     assert set(rows[0]) <= set(s.columns)
     with pytest.raises(ValueError, match="start"):
         ex.optimizer_start(_task(), "far", 0)
+
+
+def test_optimizers_sequence_quick_selects_on_fresh_sequences():
+    s = ex.sweep("optimizers_sequence", quick=True)
+    rows = s.func(s.specs[0])
+    sel = [r for r in rows if r["selected"]]
+    assert len(sel) == 1 and sel[0]["position"] == "interior"
+    # the selection score is the loss on fresh sequences: it is what the selected row's lr scored
+    assert min(r["selection_loss"] for r in rows if not r["diverged"]) == sel[0]["selection_loss"]
+    assert sel[0]["heldout"] > 0 and np.isfinite(sel[0]["excess"])
