@@ -521,6 +521,228 @@ def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: floa
     return ustat_exponent(ns, [est[n] for n in ns], level=level)
 
 
+# ----------------------------------------------------------------------------- chapter 7: optimizers
+#
+# ``optimizers``: practitioners' optimizers (attnlib.optimizers) against the structured method on the
+# population objective. One run = one (method, cond(Sigma), tokens, start, seed) with its whole step-size
+# grid (attnlib.optimizers.grid_search: log grid, extended until the selected step is interior); one row
+# per step size of the final grid, ``selected`` marks the chosen one. Task: d = 4, k = 2, ||T||_F = 1,
+# noise 0.1, Task.random seed = ``seed``; starts: ``near`` (a random point of the manifold of minima moved
+# by P-norm OPT_NEAR_RADIUS) and ``saddle`` (random_init, scale 1e-2, next to the saddle at 0).
+
+#: Methods of the optimizers sweep: name -> (training method, extra train_population switches, log10 grid).
+OPT_METHODS: Dict[str, tuple] = {
+    "structured": ("structured", {}, (-1.5, 0.5)),
+    "gd": ("gd", {}, (-2.5, -0.5)),
+    "adam": ("adam", {}, (-3.0, -1.0)),
+    "adamw": ("adamw", {}, (-3.0, -1.0)),
+    "muon": ("muon", {}, (-3.0, -1.0)),
+    "muon_decay": ("muon_decay", {}, (-2.5, -0.5)),
+    "shampoo": ("shampoo", {}, (-2.0, 0.0)),
+    "soap": ("soap", {}, (-3.0, -1.0)),
+    "shampoo_balance": ("shampoo", {"renormalize": "balance"}, (-2.0, 0.0)),
+}
+OPT_CONDS = (1.0, 10.0, 100.0, 1e3, 1e4)
+OPT_NEAR_RADIUS = 0.3
+OPT_STEPS = 300
+OPT_HELDOUT_N = 256
+
+
+def optimizer_task(cond: float, seed: int) -> Task:
+    """The optimizers sweep's task: ``d = 4``, ``k = 2``, ``cond(Sigma) = cond``, ``||T||_F = 1``, noise 0.1."""
+    return Task.random(4, 2, cond=float(cond), signal=1.0, noise_std=0.1, seed=int(seed))
+
+
+def optimizer_start(task: Task, start: str, seed: int):
+    """The start ``"near"`` (manifold point moved by P-norm ``OPT_NEAR_RADIUS``) or ``"saddle"`` (scale 1e-2)."""
+    from .geometry import perturb, random_manifold_point
+    from .init import random_init
+
+    s = derive_seed(int(seed), f"optimizers:start={start}")
+    if start == "near":
+        A, B, _ = random_manifold_point(task, seed=s)
+        return perturb(A, B, task, OPT_NEAR_RADIUS, seed=derive_seed(s, "perturb"))
+    if start == "saddle":
+        return random_init(task.d, task.k, scale=1e-2, seed=s)
+    raise ValueError(f"start: expected 'near' or 'saddle', got {start!r}")
+
+
+def optimizer_grid(label: str) -> List[float]:
+    """The base log grid (half-decade spacing) of method ``label`` of the optimizers sweep."""
+    lo, hi = OPT_METHODS[label][2]
+    return [float(10.0**e) for e in np.arange(lo, hi + 1e-9, 0.5)]
+
+
+def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_every: int = 1):
+    """One training run of the optimizers sweep at step ``lr``: ``(History, step rule)``."""
+    from .optimizers import train_population_step
+
+    method, extra, _ = OPT_METHODS[spec["label"]]
+    task = optimizer_task(spec["cond"], spec["seed"])
+    return train_population_step(
+        task,
+        method=method,
+        steps=int(spec["steps"]),
+        lr=float(lr),
+        init=optimizer_start(task, spec["start"], spec["seed"]),
+        whiten=spec["tokens"] == "whitened",
+        on_divergence=on_divergence,
+        record_every=record_every,
+        **extra,
+    )
+
+
+def _run_optimizers(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    steps_of: Dict[float, object] = {}
+
+    def run(lr, on_divergence="stop"):
+        h, st = run_optimizer(spec, lr, on_divergence=on_divergence)
+        steps_of[float(lr)] = st
+        return h
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), extend=12)
+    rows = []
+    for lr, score in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if score is not None and lr == res["lr"]:
+            h = res["best"]
+            row.update(opt.measure(h, task, n=OPT_HELDOUT_N, seed=derive_seed(int(spec["seed"]), "heldout")))
+            # the preconditioner in the coordinates trained on (whitened: Sigma = I there, so the raw Sigma's
+            # eigenvectors are read in the raw coordinates only)
+            row["slope"] = opt.preconditioner_slope(steps_of[lr], task) if spec["tokens"] == "raw" else float("nan")
+        rows.append(row)
+    return rows
+
+
+_OPT_COLUMNS = (
+    "lr",
+    "score",
+    "diverged",
+    "selected",
+    "position",
+    "steps_1e-6",
+    "steps_1e-10",
+    "max_after_1e-6",
+    "max_after_1e-10",
+    "final_excess",
+    "imbalance",
+    "nu",
+    "heldout",
+    "time_per_step",
+    "slope",
+)
+
+
+def _optimizer_specs(labels, conds, tokens, starts, seeds, steps=OPT_STEPS) -> List[dict]:
+    return [
+        dict(
+            run=f"{lab}:cond={c:g}:{tok}:{st}:seed={s}",
+            label=lab,
+            cond=float(c),
+            tokens=tok,
+            start=st,
+            seed=int(s),
+            steps=int(steps),
+            cost=float(steps) * (3.0 if "shampoo" in lab or lab == "soap" else 1.0),
+        )
+        for lab in labels
+        for c in conds
+        for tok in tokens
+        for st in starts
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers"] = dict(
+    func=_run_optimizers,
+    spec_columns=("label", "cond", "tokens", "start", "seed", "steps"),
+    columns=_OPT_COLUMNS,
+    full=lambda: _optimizer_specs(tuple(OPT_METHODS), OPT_CONDS, ("raw", "whitened"), ("near", "saddle"), (0, 1)),
+    quick=lambda: _optimizer_specs(("structured", "shampoo"), (10.0,), ("raw",), ("near",), (0,), steps=20),
+)
+
+
+# ``optimizers_sequence``: the same methods on one training sequence of OPT_SEQ_N tokens (regime (i)), from the
+# small start by the saddle, step size selected by the loss of the finite layer on fresh sequences (OPT_SEQ_HELDOUT
+# of them, never trained on), so that the criterion cannot reward overfitting; evaluated on another set of fresh
+# sequences.
+OPT_SEQ_N = 256
+OPT_SEQ_HELDOUT = 16
+OPT_SEQ_STEPS = 300
+
+
+def _run_optimizers_sequence(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+    from .train import train
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    n = int(spec["n"])
+    X, Y = task.sample(n, seed=derive_seed(int(spec["seed"]), f"optimizers-sequence:n={n}"))
+    method, extra, _ = OPT_METHODS[spec["label"]]
+    start = optimizer_start(task, "saddle", spec["seed"])
+    select_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:select")
+    eval_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:evaluate")
+
+    def run(lr, on_divergence="stop"):
+        return train(
+            X, Y, steps=int(spec["steps"]), lr=float(lr), method=method, init=start, task=task,
+            record_every=int(spec["steps"]), on_divergence=on_divergence, **extra,
+        )  # fmt: skip
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=select_seed)
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            h = res["best"]
+            row.update(
+                train_minus_bayes=float(h.loss[-1]) - task.bayes_risk,
+                excess=float(h.excess[-1]),
+                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=eval_seed) - task.bayes_risk,
+                imbalance=opt.imbalance(h.A, h.B, task),
+                nu=opt.softmax_scale(h.A, h.B, task),
+            )
+        rows.append(row)
+    return rows
+
+
+def _optimizer_sequence_specs(labels, conds, seeds, n=OPT_SEQ_N, steps=OPT_SEQ_STEPS) -> List[dict]:
+    return [
+        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
+        for lab in labels
+        for c in conds
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_sequence"] = dict(
+    func=_run_optimizers_sequence,
+    spec_columns=("label", "cond", "n", "seed", "steps"),
+    columns=(
+        "lr",
+        "selection_loss",
+        "diverged",
+        "selected",
+        "position",
+        "train_minus_bayes",
+        "excess",
+        "heldout",
+        "imbalance",
+        "nu",
+    ),  # fmt: skip
+    full=lambda: _optimizer_sequence_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1)),
+    quick=lambda: _optimizer_sequence_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
+)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

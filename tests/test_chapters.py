@@ -41,7 +41,7 @@ def _markdown(name):
 
 
 def test_chapters_are_found():
-    assert len(CHAPTERS) == 6, CHAPTERS
+    assert len(CHAPTERS) == 7, CHAPTERS
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)

@@ -95,6 +95,20 @@ ANSWERS = {
 }
 
 
+# chapter 7 (one block): Shampoo's direction L^-1/4 G R^-1/4 and Muon's exact orthogonalization U V^T
+def _root4(S):
+    ev, Q = torch.linalg.eigh(S)
+    return Q @ torch.diag(ev**-0.25) @ Q.T
+
+
+def _polar(G):
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    return U @ Vh
+
+
+ANSWERS.update({"7.1": lambda G, L, R: _root4(L) @ G @ _root4(R), "7.2": _polar})
+
+
 def test_every_exercise_has_an_answer_here():
     assert set(ANSWERS) == set(EXERCISES)
 

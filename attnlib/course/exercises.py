@@ -393,6 +393,71 @@ EXERCISES: Dict[str, Exercise] = {
 }
 
 
+# ----------------------------------------------------------------------------- chapter 7 (optimizers)
+# One block, added with chapter 7: the two coding exercises of book/ch7_optimizers.ipynb.
+
+
+def _cases_shampoo(seed=0):
+    out = []
+    for i, (m, n, cl, cr) in enumerate(((2, 4, 1.0, 10.0), (4, 4, 30.0, 100.0), (3, 5, 1e3, 1.0))):
+        g = _gen(seed, 800 + i)
+        out.append(
+            (f"G {m} x {n}, cond(L) = {cl:g}, cond(R) = {cr:g}", (_randn(m, n, g=g), _spd(m, g, cl), _spd(n, g, cr)))
+        )
+    return out
+
+
+def _cases_orthogonalize(seed=0):
+    out = []
+    for i, (m, n, scale) in enumerate(((4, 4, 1.0), (2, 4, 1e-3), (5, 3, 1e3))):
+        g = _gen(seed, 900 + i)
+        out.append((f"G {m} x {n}, entries of size {scale:g}", (_randn(m, n, g=g, scale=scale),)))
+    return out
+
+
+def _inv_fourth_root(S):
+    ev, Q = torch.linalg.eigh(S)
+    return (Q * ev ** (-0.25)) @ Q.T
+
+
+def _shampoo_direction(G, L, R):
+    return _inv_fourth_root(L) @ G @ _inv_fourth_root(R)
+
+
+def _orthogonalize(G):
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    return U @ Vh
+
+
+EXERCISES.update(
+    {
+        e.key: e
+        for e in (
+            Exercise(
+                "7.1",
+                "my_shampoo_direction(G, L, R) -> (m, n) tensor",
+                _cases_shampoo,
+                "an inverse fourth root of a symmetric positive definite matrix comes from its eigendecomposition "
+                "(raise the eigenvalues to the power -1/4); L acts on the left of G, R on the right",
+                reference=_shampoo_direction,
+                rtol=1e-7,
+                forbidden=("attnlib.optimizers.*", "attnlib.linalg.*"),
+            ),
+            Exercise(
+                "7.2",
+                "my_orthogonalize(G) -> (m, n) tensor",
+                _cases_orthogonalize,
+                "a singular value decomposition G = U S V^T: keep the singular vectors and replace every "
+                "singular value by 1; the result must not depend on the size of G",
+                reference=_orthogonalize,
+                rtol=1e-7,
+                forbidden=("attnlib.optimizers.*", "attnlib.linalg.*"),
+            ),
+        )
+    }
+)
+
+
 # ----------------------------------------------------------------------------- comparison (plain numbers)
 
 

@@ -1,0 +1,398 @@
+r"""Practitioners' optimizers on the book's objectives, through the one training loop.
+
+:class:`OptimizerStep` is a step rule (:class:`attnlib.train.Step`) that wraps any
+``torch.optim.Optimizer`` over the two parameters ``A`` and ``B``: the loop of
+:func:`attnlib.train.run` evaluates the full objective and its gradient, the step rule hands the
+gradient to the optimizer and calls ``optimizer.step()``, with an optional step-size schedule.
+Importing this module registers (:func:`attnlib.train.register_method`) the methods
+
+* ``"adamw"``: ``torch.optim.AdamW`` (torch's defaults: betas (0.9, 0.999), eps 1e-8, decoupled
+  weight decay 0.01); ``"adam"`` (``torch.optim.Adam``) is already a method of :mod:`attnlib.train`;
+* ``"muon"``: ``torch.optim.Muon`` at a constant step (momentum 0.95, Nesterov, five quintic
+  Newton-Schulz iterations in bfloat16, weight decay 0, torch's shape adjustment of the step);
+  Muon is defined for 2-D parameters only, which ``A`` (k x d) and ``B`` (d x d) are;
+* ``"muon_decay"``: the same with the step ``lr * MUON_DECAY**t`` (an exponential decay: an
+  orthogonalized update has a fixed spectral norm, so without a decaying step it cannot converge);
+* ``"shampoo"``: ``pytorch_optimizer.Shampoo`` (Gupta, Koren, Singer 2018), the original variant:
+  statistics ``L += G G^T``, ``R += G^T G`` started at ``eps I`` (eps = :data:`SHAMPOO_EPS`),
+  inverse fourth roots recomputed at every step, no momentum, no grafting,
+  update ``L^{-1/4} G R^{-1/4}``; :class:`ExplainedShampoo` is the same in 15 lines (tested to
+  round-off against the library's);
+* ``"soap"``: ``pytorch_optimizer.SOAP`` (Vyas et al. 2024: Adam in the eigenbasis of Shampoo's
+  statistics), eigenbasis updated every step, weight decay 0, its default betas (0.95, 0.95).
+
+The measurements of chapter 7: :func:`steps_to` and :func:`max_after` (steps to an excess
+threshold, and whether the excess stays below it afterwards), :func:`preconditioner_slope` (the
+learned preconditioner's log-slope over the eigenvectors of ``Sigma``: the structured method's is
+``-1``, plain gradient descent's ``0``), :func:`imbalance`, and :func:`measure`, which adds the
+softmax scale ``nu`` (:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context
+length ``n`` (:func:`attnlib.finite_n.heldout_loss`). :func:`grid_search` selects a step size from
+a log grid and extends the grid until the selected step is interior.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ._validate import check_nonneg_float, check_positive_int
+from .finite_n import heldout_loss, softmax_scale
+from .geometry import to_factor
+from .task import Task, as_covariance
+from .train import METHODS, GradientStep, History, Method, Step, register_method, train_population
+
+__all__ = [
+    "OptimizerStep",
+    "ExplainedShampoo",
+    "OPTIMIZERS",
+    "MUON_DECAY",
+    "SHAMPOO_EPS",
+    "make_optimizer",
+    "preconditioner_map",
+    "preconditioner_slope",
+    "imbalance",
+    "steps_to",
+    "max_after",
+    "log_excess_score",
+    "grid_search",
+    "measure",
+    "train_population_step",
+]
+
+#: Per-step decay factor of ``"muon_decay"``'s step size.
+MUON_DECAY = 0.97
+#: Shampoo's initial statistics ``eps I`` (pytorch_optimizer's ``matrix_eps``).
+SHAMPOO_EPS = 1e-6
+
+
+class ExplainedShampoo(torch.optim.Optimizer):
+    """Shampoo in a few lines: ``L += G G^T``, ``R += G^T G``, ``W -= lr L^{-1/4} G R^{-1/4}`` (2-D parameters).
+
+    Statistics start at ``eps I``; inverse roots from an eigendecomposition at every step; no momentum,
+    no grafting. The same variant as ``pytorch_optimizer.Shampoo(momentum=0, matrix_eps=eps,
+    preconditioning_compute_steps=1)`` (the tests compare the two to round-off).
+    """
+
+    def __init__(self, params, lr: float, eps: float = SHAMPOO_EPS):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @staticmethod
+    def inv_root(S: torch.Tensor, p: int = 4) -> torch.Tensor:
+        ev, Q = torch.linalg.eigh(S)
+        return (Q * ev.clamp_min(0) ** (-1.0 / p)) @ Q.T
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for W in group["params"]:
+                G, st = W.grad, self.state[W]
+                if not st:
+                    st["L"] = group["eps"] * torch.eye(W.shape[0], dtype=W.dtype, device=W.device)
+                    st["R"] = group["eps"] * torch.eye(W.shape[1], dtype=W.dtype, device=W.device)
+                st["L"] += G @ G.T
+                st["R"] += G.T @ G
+                W -= group["lr"] * self.inv_root(st["L"]) @ G @ self.inv_root(st["R"])
+
+
+def _pytorch_optimizer():
+    try:
+        import pytorch_optimizer
+    except ImportError as exc:  # pragma: no cover - pinned in requirements.txt
+        raise ImportError("attnlib.optimizers needs pytorch-optimizer (pip install pytorch-optimizer==4.1.0)") from exc
+    return pytorch_optimizer
+
+
+def _adamw(params, lr):
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def _muon(params, lr):
+    return torch.optim.Muon(params, lr=lr, weight_decay=0.0)
+
+
+def _shampoo(params, lr):
+    return _pytorch_optimizer().Shampoo(
+        params, lr=lr, momentum=0.0, matrix_eps=SHAMPOO_EPS, preconditioning_compute_steps=1
+    )
+
+
+def _explained_shampoo(params, lr):
+    return ExplainedShampoo(params, lr=lr)
+
+
+def _soap(params, lr):
+    return _pytorch_optimizer().SOAP(params, lr=lr, weight_decay=0.0, precondition_frequency=1)
+
+
+#: Optimizer factories ``make(params, lr)`` by method name.
+OPTIMIZERS: Dict[str, Callable] = {
+    "adamw": _adamw,
+    "muon": _muon,
+    "muon_decay": _muon,
+    "shampoo": _shampoo,
+    "shampoo_explained": _explained_shampoo,
+    "soap": _soap,
+}
+
+#: Step-size schedules ``factor(t)`` (t = 0, 1, ...: the update's index) by method name.
+SCHEDULES: Dict[str, Callable[[int], float]] = {"muon_decay": lambda t: MUON_DECAY**t}
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of method ``name`` (a key of :data:`OPTIMIZERS`) over ``params`` with step ``lr``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"name: expected one of {tuple(OPTIMIZERS)}, got {name!r}")
+    return OPTIMIZERS[name](params, check_nonneg_float(lr, "lr", positive=True))
+
+
+class OptimizerStep(Step):
+    """A step rule around a ``torch.optim.Optimizer`` over ``[A, B]``.
+
+    ``make(params, lr)`` builds the optimizer at the first update; ``schedule(t)`` (optional)
+    multiplies the step size of update ``t``. The gradient of the full objective that
+    :func:`attnlib.train.run` computed is handed to the optimizer as ``.grad`` (a copy: some
+    optimizers change it in place).
+    """
+
+    def __init__(self, lr: float, make: Callable, schedule: Optional[Callable[[int], float]] = None):
+        self.lr, self.make, self.schedule = lr, make, schedule
+        self.opt: Optional[torch.optim.Optimizer] = None
+        self.t = 0
+
+    def update(self, objective, A, B, grads) -> None:
+        if self.opt is None:
+            self.opt = self.make([A, B], self.lr)
+        if self.schedule is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * self.schedule(self.t)
+        with torch.no_grad():
+            A.grad, B.grad = grads[0].clone(), grads[1].clone()
+            self.opt.step()
+        A.grad = B.grad = None
+        self.t += 1
+
+
+def _register():
+    for name, make in OPTIMIZERS.items():
+        register_method(
+            Method(
+                name,
+                (lambda m, s: lambda lr, ctx: OptimizerStep(lr, m, s))(make, SCHEDULES.get(name)),
+                preconditionable=False,
+            )
+        )
+
+
+_register()
+
+
+# ----------------------------------------------------------------------------- what the step learned
+
+
+def preconditioner_map(step: Step, which: int = 0) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The linear map ``G -> direction`` that ``step`` applies to the gradient of parameter ``which``
+    (0: ``A``, 1: ``B``) at its current state, or ``None`` where the update is not such a map.
+
+    Gradient descent: the identity, or ``Sigma^{-1}`` on the right of ``A`` and on both sides of
+    ``B`` (the structured method). Adam and AdamW: division by ``sqrt(v_hat) + eps`` entrywise
+    (momentum left out). Shampoo (both implementations): ``L^{-1/4} G R^{-1/4}``. SOAP:
+    ``Q_L [(Q_L^T G Q_R) / (sqrt(v) + eps)] Q_R^T`` (up to its scalar bias correction). Muon's
+    orthogonalized update is not a linear map of the gradient (``None``).
+    """
+    if which not in (0, 1):
+        raise ValueError(f"which: expected 0 (A) or 1 (B), got {which!r}")
+    if isinstance(step, GradientStep):
+        S = step.S_inv
+        if S is None:
+            return lambda G: G
+        return (lambda G: G @ S) if which == 0 else (lambda G: S @ G @ S)
+    opt = getattr(step, "opt", None)
+    if opt is None:
+        return None
+    p = opt.param_groups[0]["params"][which]
+    st = opt.state[p]
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        b2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+        t = float(st["step"])
+        D = 1.0 / ((st["exp_avg_sq"] / (1 - b2**t)).sqrt() + eps)
+        return lambda G: G * D
+    if isinstance(opt, ExplainedShampoo):
+        Li, Ri = ExplainedShampoo.inv_root(st["L"]), ExplainedShampoo.inv_root(st["R"])
+        return lambda G: Li @ G @ Ri
+    name = type(opt).__name__
+    if name == "Shampoo":
+        Li, Ri = st["inv_pre_cond_0"], st["inv_pre_cond_1"]
+        return lambda G: Li @ G @ Ri
+    if name == "SOAP":
+        QL, QR = st["Q"]
+        D = 1.0 / (st["exp_avg_sq"].sqrt() + opt.param_groups[0]["eps"])  # the bias correction is a scalar
+        return lambda G: QL @ ((QL.T @ G @ QR) * D) @ QR.T
+    return None
+
+
+def preconditioner_slope(step: Step, Sigma, which: int = 0) -> float:
+    r"""Log-slope of the learned right preconditioner over the eigenvectors of ``Sigma``.
+
+    With ``P`` = :func:`preconditioner_map` of parameter ``which`` and ``v_i`` the eigenvectors of
+    ``Sigma`` (eigenvalues ``lambda_i``), ``q_i = (1/m) sum_j <e_j v_i^T, P(e_j v_i^T)>`` (``m`` rows);
+    for a Kronecker map ``P(G) = L G R`` this is ``tr(L)/m * v_i^T R v_i``. The slope of ``log q_i``
+    against ``log lambda_i`` (least squares) is ``-1`` for the structured method (``R = Sigma^{-1}``)
+    and ``0`` for gradient descent. NaN when the map is undefined (Muon), when ``Sigma`` is a multiple of
+    the identity, or when some ``q_i <= 0``.
+    """
+    P = preconditioner_map(step, which)
+    S = as_covariance(Sigma)
+    lam, V = torch.linalg.eigh(S)
+    if P is None or float(lam[-1] / lam[0]) < 1.0 + 1e-9:
+        return float("nan")
+    d = S.shape[0]
+    opt = getattr(step, "opt", None)
+    rows = int(opt.param_groups[0]["params"][which].shape[0]) if opt is not None else (1 if which == 0 else d)
+    q = []
+    for i in range(d):
+        tot = 0.0
+        for j in range(rows):
+            U = torch.zeros(rows, d, dtype=S.dtype, device=S.device)
+            U[j] = V[:, i]
+            tot += float(torch.sum(U * P(U)))
+        q.append(tot / rows)
+    q = np.asarray(q)
+    if np.any(~np.isfinite(q)) or np.any(q <= 0):
+        return float("nan")
+    return float(np.polyfit(np.log(lam.cpu().numpy()), np.log(q), 1)[0])
+
+
+def imbalance(A, B, Sigma) -> float:
+    r"""``||At^T At - C C^T||_F / ||At C||_*``: 0 exactly on the balanced factorizations (:mod:`attnlib.geometry`)."""
+    At, C = to_factor(A, B, Sigma)
+    P = At @ C
+    nuc = float(torch.linalg.matrix_norm(P, ord="nuc"))
+    return float(torch.linalg.norm(At.T @ At - C @ C.T)) / max(nuc, 1e-300)
+
+
+# ----------------------------------------------------------------------------- convergence measures
+
+
+def steps_to(h: History, tol: float) -> Optional[int]:
+    """First recorded step with population excess ``<= tol`` (``None`` if never)."""
+    return h.steps_to(check_nonneg_float(tol, "tol", positive=True), "excess")
+
+
+def max_after(h: History, tol: float) -> Optional[float]:
+    """Largest excess at or after the first step with excess ``<= tol`` (``None`` if never reached).
+
+    Below ``tol`` means the run stayed there; above, that it reached the threshold and left it again.
+    """
+    s = steps_to(h, tol)
+    if s is None:
+        return None
+    i = h.steps.index(s)
+    return float(max(h.excess[i:]))
+
+
+def log_excess_score(h: History, floor: float = 1e-16) -> float:
+    """Mean of ``log10(max(excess, floor))`` over the recorded steps (lower is better; the step-size criterion).
+
+    It rewards reaching a small excess early and staying there: a run that stalls at a floor, or
+    leaves a tight excess again, scores worse than one that keeps converging.
+    """
+    e = np.maximum(np.asarray(h.excess, dtype=float), floor)
+    return float(np.mean(np.log10(e)))
+
+
+def grid_search(
+    run: Callable[..., History],
+    lrs: Sequence[float],
+    *,
+    score: Callable[[History], float] = log_excess_score,
+    extend: int = 4,
+) -> Dict[str, object]:
+    """Run ``run(lr=lr, on_divergence="stop")`` on the log grid ``lrs`` and select the best step.
+
+    Diverged runs are disqualified. While the selected step is the lowest or the highest of the
+    grid, the grid is extended by one point beyond that end (same log spacing), at most ``extend``
+    times (when every run diverged: towards smaller steps). Returns ``dict(best=History or None,
+    lrs=[...], scores=[... or None], lr=selected,
+    position="interior"|"lowest"|"highest")``.
+    """
+    grid = sorted(float(x) for x in lrs)
+    if len(grid) < 3 or any(not math.isfinite(x) or x <= 0 for x in grid):
+        raise ValueError(f"lrs: expected at least 3 positive step sizes, got {lrs!r}")
+    ratio = grid[1] / grid[0]
+    extend = check_positive_int(extend, "extend", minimum=0)
+    results: Dict[float, Optional[History]] = {}
+    scores: Dict[float, Optional[float]] = {}
+
+    def ev(lr):
+        h = run(lr=lr, on_divergence="stop")
+        results[lr] = None if h.diverged else h
+        scores[lr] = None if h.diverged else float(score(h))
+
+    for lr in grid:
+        ev(lr)
+    for _ in range(extend):
+        ok = {lr: s for lr, s in scores.items() if s is not None}
+        lo, hi = min(scores), max(scores)
+        lr_best = min(ok, key=lambda x: (ok[x], x)) if ok else lo  # all diverged: smaller steps
+        if lr_best == lo:
+            ev(lo / ratio)
+        elif lr_best == hi:
+            ev(hi * ratio)
+        else:
+            break
+    ok = {lr: s for lr, s in scores.items() if s is not None}
+    lrs_sorted = sorted(scores)
+    if not ok:
+        return dict(best=None, lrs=lrs_sorted, scores=[None] * len(lrs_sorted), lr=None, position="none")
+    lr_best = min(ok, key=lambda x: (ok[x], x))
+    pos = "lowest" if lr_best == lrs_sorted[0] else "highest" if lr_best == lrs_sorted[-1] else "interior"
+    return dict(best=results[lr_best], lrs=lrs_sorted, scores=[scores[x] for x in lrs_sorted], lr=lr_best, position=pos)
+
+
+def measure(h: History, task: Task, *, n: int = 256, n_sequences: int = 4, seed: int = 0) -> Dict[str, float]:
+    """What a finished run ended at: convergence measures, imbalance, softmax scale, held-out loss.
+
+    ``steps_1e-6``, ``steps_1e-10`` (``nan``: never), ``max_after_1e-6``, ``max_after_1e-10``,
+    ``final_excess``, ``imbalance``, ``nu`` (softmax scale; the heavy-tail threshold is 1/2),
+    ``heldout`` (mean empirical loss on ``n_sequences`` fresh sequences of ``n`` tokens, minus the
+    Bayes risk), ``time_per_step`` (seconds, wall time of the updates).
+    """
+    nan = float("nan")
+    out = {}
+    for tol, lab in ((1e-6, "1e-6"), (1e-10, "1e-10")):
+        s = steps_to(h, tol)
+        out[f"steps_{lab}"] = nan if s is None else float(s)
+        m = max_after(h, tol)
+        out[f"max_after_{lab}"] = nan if m is None else m
+    out["final_excess"] = float(h.excess[-1])
+    out["imbalance"] = imbalance(h.A, h.B, task)
+    out["nu"] = softmax_scale(h.A, h.B, task)
+    out["heldout"] = heldout_loss(h.A, h.B, task, n, n_sequences=n_sequences, seed=seed) - task.bayes_risk
+    out["time_per_step"] = h.time[-1] / max(h.steps[-1], 1)
+    return out
+
+
+def train_population_step(task: Task, *, method: str, **kwargs):
+    """:func:`attnlib.train.train_population` that also returns the step rule it used: ``(History, Step)``.
+
+    The step rule's state is what the optimizer learned (its preconditioner, for
+    :func:`preconditioner_slope`). The method's registry entry is wrapped for the call and restored.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {tuple(METHODS)}, got {method!r}")
+    spec = METHODS[method]
+    box: List[Step] = []
+
+    def make(lr, ctx):
+        box.append(spec.make_step(lr, ctx))
+        return box[-1]
+
+    METHODS[method] = Method(spec.name, make, spec.structured, spec.needs_samples, spec.preconditionable)
+    try:
+        h = train_population(task, method=method, **kwargs)
+    finally:
+        METHODS[method] = spec
+    return h, box[-1]
