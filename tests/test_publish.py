@@ -20,7 +20,7 @@ import set_repository as sr  # noqa: E402
 
 SCRIPT = ROOT / "tools" / "set_repository.py"
 WORKFLOW = ROOT / ".github" / "workflows" / "book.yml"
-CHAPTERS = ["ch1_model", "ch2_population", "ch3_factorization", "ch4_geometry", "ch5_algorithm", "ch6_scaling"]
+CHAPTERS = sorted(p.stem for p in (ROOT / "book").glob("ch*.ipynb"))
 OWNED = {"repository", "html", "launch_buttons"}
 
 

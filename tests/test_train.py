@@ -287,3 +287,52 @@ def test_grid_cache_stores_replays_and_detects_stale_files(data, tmp_path, monke
         fresh.scores("gd")
     with pytest.raises(ValueError, match="lrs"):
         fresh.best("x", run, [])
+
+
+def test_grid_cache_tells_round_off_amplification_from_a_changed_code(tmp_path, monkeypatch):
+    """GD leaving the saddle amplifies round-off: ulp-sized step-size changes move its score in the third digit.
+
+    A stored score from another CPU's arithmetic lies within that spread and is accepted (and listed in
+    ``amplified``); a non-amplifying run with a stored score off by 1e-4 still raises.
+    """
+    from attnlib.train import GridCache
+
+    monkeypatch.delenv("ATTNLIB_REFRESH_GRIDS", raising=False)
+    t = al.Task.random(d=6, k=3, cond=100, signal=1.0, seed=0)
+    start = al.perturb(*al.stationary_point(t, []), t, 1e-2, seed=2)
+
+    def score(h):
+        return float(np.mean(np.log10(np.maximum(h.excess, 1e-12))))
+
+    def saddle(**kw):
+        return al.train_population(t, steps=300, init=start, record_every=5, method="gd", **kw)
+
+    spread = GridCache._roundoff_spread(saddle, 0.01, score(saddle(lr=0.01)), score)
+    assert spread > 1e-4  # the run really amplifies round-off (a few ulps of the step move the score)
+    path = tmp_path / "g.json"
+    cache = GridCache(path)
+    cache.best("saddle", saddle, [0.003, 0.01, 0.03], score=score)
+    lr = cache.selected("saddle")
+    again = GridCache(path)
+    s = again.entries["saddle"]["scores"][again.entries["saddle"]["grid"].index(lr)]
+    own = GridCache._roundoff_spread(saddle, lr, s, score)
+    again.entries["saddle"]["scores"][again.entries["saddle"]["grid"].index(lr)] = s + 0.5 * own
+    again.best("saddle", saddle, [0.003, 0.01, 0.03], score=score)
+    assert "saddle" in again.amplified
+    # far outside the spread: raises
+    far = GridCache(path)
+    far.entries["saddle"]["scores"][far.entries["saddle"]["grid"].index(lr)] = s + 20 * own + 0.1
+    with pytest.raises(RuntimeError, match="no longer matches"):
+        far.best("saddle", saddle, [0.003, 0.01, 0.03], score=score)
+    # a run that does not amplify round-off: a 1e-4 relative change is caught
+    near = al.perturb(*al.random_manifold_point(t, seed=1)[:2], t, 0.3, seed=2)
+
+    def calm(**kw):
+        return al.train_population(t, steps=100, init=near, record_every=5, method="gd", **kw)
+
+    cache.best("calm", calm, [0.003, 0.01, 0.03], score=score)
+    stale = GridCache(path)
+    k = stale.entries["calm"]["grid"].index(stale.selected("calm"))
+    stale.entries["calm"]["scores"][k] *= 1 + 1e-4
+    with pytest.raises(RuntimeError, match="no longer matches"):
+        stale.best("calm", calm, [0.003, 0.01, 0.03], score=score)
