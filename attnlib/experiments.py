@@ -323,6 +323,74 @@ def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5) -> List[dic
     return out
 
 
+# ----------------------------------------------------------------------------- regime (i): the limit (issue 21)
+
+LIMIT_RECORD = (0, 80, 300)  #: steps of G recorded before Newton starts from the last one
+
+
+def _run_limit(spec: dict) -> List[dict]:
+    """One sequence: the spectral initialization, 80 and 300 steps of G, and the stable fixed point of G."""
+    from .fixedpoint import SequenceMap, fixed_point
+    from .fixedpoint import spectrum as jac_spectrum
+
+    task = make_task(spec["noise_std"])
+    n, seed = int(spec["n"]), int(spec["seed"])
+    X, Y = _sequence(task, "regime-i-trained", n, seed)  # the trained sweep's sequences: paired with it
+    kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
+    g = SequenceMap(X, Y, float(spec["lr"]), mode=spec["renorm"], kappa=kappa)
+    v = g.from_params(*spectral_init(X, Y))
+    its = g.iterate(v, max(LIMIT_RECORD))
+    row = {f"excess_{m}": float(task.excess_risk(*g.to_params(its[m]))) for m in LIMIT_RECORD}
+    fp = fixed_point(g, its[-1], task=task)
+    sp = jac_spectrum(g, fp.v)
+    vg = fp.v.clone().requires_grad_(True)
+    grad = torch.autograd.grad(g.loss(vg), vg)[0]
+    row.update(
+        excess_limit=fp.excess,
+        residual=fp.residual,
+        newton_iterations=fp.iterations,
+        converged=int(fp.converged),
+        radius=float(np.abs(sp.eigenvalues).max()),
+        removed=sp.removed,
+        loss_limit=float(g.loss(fp.v)),
+        grad_norm=float(torch.linalg.norm(grad)),
+        dist_limit=float(distance_to_manifold(fp.A, fp.B, task)),
+        dist_300_limit=float(torch.linalg.norm(its[-1] - fp.v)),
+        scale_limit=softmax_scale(fp.A, fp.B, task),
+        overlap_min=float(sp.rotation_overlap.min()),
+        fast_max=float(np.abs(sp.fast).max()) if sp.fast.size else math.nan,
+    )
+    for i in range(LIMIT_SLOW):
+        row[f"mu_slow{i}"] = float(sp.slow[i].real) if i < sp.slow.size else math.nan
+        row[f"h_rot{i}"] = float(sp.h_rotation[i]) if i < sp.h_rotation.size else math.nan
+    return [row]
+
+
+LIMIT_SLOW = 5  #: rotation directions of the sweeps' task (d = 4, rank 2: dim St(4, 2) = 5)
+
+
+def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) -> List[dict]:
+    return [
+        dict(
+            run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
+            renorm=renorm,
+            kappa=kappa if kappa is not None else "",
+            noise_std=float(noise),
+            n=int(n),
+            seed=int(seed),
+            lr=float(lr),
+            cost=float(n) ** 2,
+        )
+        for renorm, kappa in renorms
+        for noise in noises
+        for n, seeds in ns_seeds
+        for seed in range(seeds)
+    ]
+
+
+#: The limit sweep's design (n, independent sequences); a larger machine would run (4096, 40) too.
+LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
+
 # ----------------------------------------------------------------------------- the sweeps
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
@@ -358,6 +426,30 @@ SWEEPS: Dict[str, dict] = {
         quick=lambda: _prompt_specs(
             (("balance", "balance", None), ("cap0.25", "cap", 0.25)), (16, 32), 3, steps=12, burn_in=4
         ),
+    ),
+    "limit": dict(
+        func=_run_limit,
+        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "lr"),
+        columns=tuple(f"excess_{m}" for m in LIMIT_RECORD)
+        + (
+            "excess_limit",
+            "residual",
+            "newton_iterations",
+            "converged",
+            "radius",
+            "removed",
+            "loss_limit",
+            "grad_norm",
+            "dist_limit",
+            "dist_300_limit",
+            "scale_limit",
+            "overlap_min",
+            "fast_max",
+        )
+        + tuple(f"mu_slow{i}" for i in range(LIMIT_SLOW))
+        + tuple(f"h_rot{i}" for i in range(LIMIT_SLOW)),
+        full=lambda: _limit_specs(LIMIT_DESIGN),
+        quick=lambda: _limit_specs(((32, 2),)),
     ),
 }
 
