@@ -391,6 +391,86 @@ def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) 
 #: The limit sweep's design (n, independent sequences); a larger machine would run (4096, 40) too.
 LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
 
+# ----------------------------------------------------------------------------- regime (ii): the whole law (issue 21)
+
+
+def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: str, kappa, seed: int, init):
+    """One regime-(ii) chain (the step rule of ``attnlib.prompts.run_chain``); the residual
+    ``A Sigma B^T - M`` at every step."""
+    from .prompts import PromptObjective
+    from .renorm import ScaledStructuredStep, renormalize_scaled
+    from .rng import make_generator
+
+    obj = PromptObjective(task, n, prompts, make_generator(seed))
+    step = ScaledStructuredStep(lr, task, mode, kappa)
+    A, B = renormalize_scaled(init[0], init[1], task, mode, kappa)
+    Es = []
+    for m in range(steps + 1):
+        Es.append((A @ task.Sigma @ B.T - task.M).detach())
+        if m == steps:
+            break
+        A_, B_ = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+        grads = torch.autograd.grad(obj(A_, B_), (A_, B_))
+        step.update(None, A_, B_, grads)
+        A, B = A_.detach(), B_.detach()
+    return Es
+
+
+def _run_law(spec: dict) -> List[dict]:
+    """A pair of chains on the same prompts (common random numbers): one from the minimum set, one
+    from P-distance ``radius`` (before the renormalization). Rows: the population excess of both
+    iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
+    from .geometry import manifold_point, perturb
+
+    task = make_task(0.0)
+    n, pair = int(spec["n"]), int(spec["pair"])
+    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
+    seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
+    on = manifold_point(task, task.svd[2])
+    pert = perturb(*on, task, float(spec["radius"]), seed=derive_seed(pair, "regime-ii-law:direction"))
+    args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
+    E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
+    S_half = task.Sigma_sqrt
+    rows = []
+    for m, (a, b) in enumerate(zip(E_on, E_pert)):
+        a_, b_ = a @ S_half, b @ S_half
+        rows.append(
+            dict(
+                step=m,
+                excess_on=0.5 * float(torch.sum(a_**2)),
+                excess_pert=0.5 * float(torch.sum(b_**2)),
+                gap=float(torch.linalg.norm(b_ - a_)),
+                cross=float(torch.sum(a_ * (b_ - a_))),
+            )
+        )
+    return rows
+
+
+def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5) -> List[dict]:
+    return [
+        dict(
+            run=f"{label}:n={n}:radius={radius}:pair={p}",
+            label=label,
+            mode=mode,
+            kappa=kappa if kappa is not None else "",
+            n=int(n),
+            pair=int(p),
+            radius=float(radius),
+            steps=int(steps),
+            prompts=prompts_per_step(n),
+            lr=float(lr),
+            cost=2.0 * prompts_per_step(n) * n * n * steps,
+        )
+        for n in ns
+        for radius in radii
+        for p in range(pairs)
+    ]
+
+
+#: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
+#: and 0.5, 16 pairs of chains each.
+LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16)
+
 # ----------------------------------------------------------------------------- the sweeps
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
@@ -450,6 +530,13 @@ SWEEPS: Dict[str, dict] = {
         + tuple(f"h_rot{i}" for i in range(LIMIT_SLOW)),
         full=lambda: _limit_specs(LIMIT_DESIGN),
         quick=lambda: _limit_specs(((32, 2),)),
+    ),
+    "law": dict(
+        func=_run_law,
+        spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
+        columns=("step", "excess_on", "excess_pert", "gap", "cross"),
+        full=lambda: _law_specs(**LAW_DESIGN),
+        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,)),
     ),
 }
 
