@@ -40,7 +40,7 @@ Tails (:func:`tail_exponent`): the expansion's next order needs ``E_z e^{c z^T K
 ``E_z e^{c z^T H z}`` for ``c > 1``. Cutting the query average where the expansion fails (a
 weight ``e^{|a|^2}`` or ``e^{z^T H z}`` of order ``n``) and using the Gaussian tails
 ``P(z^T Q z > s) ~ e^{-s / (2 lambda_max(Q))}`` gives a relative correction to
-``n^2 x excess`` of order ``n^{-gamma}``, ``gamma = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)`` with
+``n^2 x excess`` of order ``n^{-zeta}``, ``zeta = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)`` with
 ``nu = lambda_max(K)``, ``h = lambda_max(H)`` (a heuristic, up to logarithms).
 """
 
@@ -206,18 +206,18 @@ def best_scale(task: Task, W=None, *, nus=None) -> Dict[str, object]:
 
 
 def tail_exponent(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None) -> Dict[str, float]:
-    """The heuristic exponent ``gamma`` of the relative correction ``n^2 x excess / c2 - 1 ~ n^-gamma``.
+    """The heuristic exponent ``zeta`` of the relative correction ``n^2 x excess / c2 - 1 ~ n^-zeta``.
 
-    ``gamma = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)``, ``nu = lambda_max(K)`` (importance weights),
+    ``zeta = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)``, ``nu = lambda_max(K)`` (importance weights),
     ``h = lambda_max(C_sym - K/2)`` (self token) at :func:`point`; a non-positive ``h`` puts no limit.
-    Returns ``{"nu", "h", "gamma_weights", "gamma_self", "gamma"}``.
+    Returns ``{"nu", "h", "zeta_weights", "zeta_self", "zeta"}``.
     """
     At, C, _ = point(task, W, mode=mode, kappa=kappa)
     H, K = _HK(C)
     nu, h = float(torch.linalg.eigvalsh(K)[-1]), float(torch.linalg.eigvalsh(H)[-1])
     gw = 1 / (2 * nu) - 1 if nu > 0 else math.inf
     gs = 1 / (2 * h) - 1 if h > 0 else math.inf
-    return {"nu": nu, "h": h, "gamma_weights": gw, "gamma_self": gs, "gamma": min(1.0, gw, gs)}
+    return {"nu": nu, "h": h, "zeta_weights": gw, "zeta_self": gs, "zeta": min(1.0, gw, gs)}
 
 
 class SurrogateMap:

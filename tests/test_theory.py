@@ -113,8 +113,8 @@ def test_c2_depends_on_the_point_of_the_minimum_set_and_has_a_best_scale(task):
 
 def test_tail_exponent(task):
     e = th.tail_exponent(task, mode="fix", kappa=0.375)
-    assert e["gamma_weights"] == pytest.approx(1 / 0.75 - 1)
-    assert e["gamma"] == pytest.approx(min(1.0, e["gamma_weights"], e["gamma_self"]))
+    assert e["zeta_weights"] == pytest.approx(1 / 0.75 - 1)
+    assert e["zeta"] == pytest.approx(min(1.0, e["zeta_weights"], e["zeta_self"]))
     with pytest.raises(ValueError, match="mode"):
         th.tail_exponent(task, mode="nope", kappa=0.2)
     with pytest.raises(ValueError, match="task"):
