@@ -430,7 +430,7 @@ def paired_ratio_design(
 ) -> Callable[[np.random.Generator], _RatioFit]:
     """A simulation of :func:`paired_ratio` at one ``n``, for :func:`coverage`: the measured design.
 
-    The ``S`` paired log-ratios ``log(numerator / denominator)`` are centred and resampled with
+    The ``S`` paired log-ratios ``log(numerator / denominator)`` are centered and resampled with
     replacement (their measured spread and skew), shifted to the true log-ratio ``log(truth)``; one
     simulated sweep returns the interval of :func:`paired_ratio` on the log scale, so
     ``coverage(sim, math.log(truth))`` is the coverage of its nominal ``level`` interval.
@@ -441,11 +441,11 @@ def paired_ratio_design(
     if np.any(num <= 0) or np.any(den <= 0) or not float(truth) > 0:
         raise ValueError("numerator, denominator, truth: expected positive values")
     lr = np.log(num / den)
-    centred = lr - lr.mean()
+    centered = lr - lr.mean()
     level = _check_level(level)
 
     def simulate(rng: np.random.Generator) -> _RatioFit:
-        x = math.log(truth) + rng.choice(centred, size=centred.size, replace=True)
+        x = math.log(truth) + rng.choice(centered, size=centered.size, replace=True)
         r, lo, hi = paired_ratio({1: np.exp(x)}, {1: np.ones_like(x)}, level=level)
         return _RatioFit(math.log(r), (math.log(lo), math.log(hi)))
 
