@@ -467,6 +467,10 @@ def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5
     ]
 
 
+#: The cap that minimizes the predicted c2 at the chains' point W = V (``attnlib.theory.best_scale``: 0.145),
+#: run with the design of the ``prompts`` sweep to test the prediction against the cap 1/4 (issue 21).
+BEST_SCALE = (("cap0.145", "cap", 0.145),)
+
 #: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
 #: and 0.5, 16 pairs of chains each.
 LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16)
@@ -530,6 +534,14 @@ SWEEPS: Dict[str, dict] = {
         + tuple(f"h_rot{i}" for i in range(LIMIT_SLOW)),
         full=lambda: _limit_specs(LIMIT_DESIGN),
         quick=lambda: _limit_specs(((32, 2),)),
+    ),
+    "prompts_best": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
+        quick=lambda: _prompt_specs(BEST_SCALE, (16,), 3, steps=12, burn_in=4),
     ),
     "law": dict(
         func=_run_law,
