@@ -209,7 +209,7 @@ def fixed_point(
     until the residual ``||G(v) - v||_2`` decreases; it converges to the nearest fixed point,
     which may be one the iteration leaves. ``stable=True`` (default): the same on the contracting
     modes of the Jacobian and the iteration's own direction, amplified, on the modes with
-    ``|mu| >= 1`` (:func:`_stable_step`), each step capped at P-norm ``max_step``; it settles only
+    ``|mu| >= 1`` (``_stable_step``), each step capped at P-norm ``max_step``; it settles only
     where every mode contracts, i.e. at a fixed point the iteration converges to. Stops when the
     residual is below ``tol`` (``converged``) or after ``max_iter`` iterations.
     """
