@@ -323,6 +323,158 @@ def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5) -> List[dic
     return out
 
 
+# ----------------------------------------------------------------------------- regime (i): the limit (issue 21)
+
+LIMIT_RECORD = (0, 80, 300)  #: steps of G recorded before Newton starts from the last one
+
+
+def _run_limit(spec: dict) -> List[dict]:
+    """One sequence: the spectral initialization, 80 and 300 steps of G, and the stable fixed point of G."""
+    from .fixedpoint import SequenceMap, fixed_point
+    from .fixedpoint import spectrum as jac_spectrum
+
+    task = make_task(spec["noise_std"])
+    n, seed = int(spec["n"]), int(spec["seed"])
+    X, Y = _sequence(task, "regime-i-trained", n, seed)  # the trained sweep's sequences: paired with it
+    kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
+    g = SequenceMap(X, Y, float(spec["lr"]), mode=spec["renorm"], kappa=kappa)
+    v = g.from_params(*spectral_init(X, Y))
+    its = g.iterate(v, max(LIMIT_RECORD))
+    row = {f"excess_{m}": float(task.excess_risk(*g.to_params(its[m]))) for m in LIMIT_RECORD}
+    fp = fixed_point(g, its[-1], task=task, max_iter=300)  # (one sequence of 104 needed more than 80)
+    sp = jac_spectrum(g, fp.v)
+    vg = fp.v.clone().requires_grad_(True)
+    grad = torch.autograd.grad(g.loss(vg), vg)[0]
+    row.update(
+        excess_limit=fp.excess,
+        residual=fp.residual,
+        newton_iterations=fp.iterations,
+        converged=int(fp.converged),
+        radius=float(np.abs(sp.eigenvalues).max()),
+        removed=sp.removed,
+        loss_limit=float(g.loss(fp.v)),
+        grad_norm=float(torch.linalg.norm(grad)),
+        dist_limit=float(distance_to_manifold(fp.A, fp.B, task)),
+        dist_300_limit=float(torch.linalg.norm(its[-1] - fp.v)),
+        scale_limit=softmax_scale(fp.A, fp.B, task),
+        overlap_min=float(sp.rotation_overlap.min()),
+        fast_max=float(np.abs(sp.fast).max()) if sp.fast.size else math.nan,
+    )
+    for i in range(LIMIT_SLOW):
+        row[f"mu_slow{i}"] = float(sp.slow[i].real) if i < sp.slow.size else math.nan
+        row[f"h_rot{i}"] = float(sp.h_rotation[i]) if i < sp.h_rotation.size else math.nan
+    return [row]
+
+
+LIMIT_SLOW = 5  #: rotation directions of the sweeps' task (d = 4, rank 2: dim St(4, 2) = 5)
+
+
+def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) -> List[dict]:
+    return [
+        dict(
+            run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
+            renorm=renorm,
+            kappa=kappa if kappa is not None else "",
+            noise_std=float(noise),
+            n=int(n),
+            seed=int(seed),
+            lr=float(lr),
+            cost=float(n) ** 2,
+        )
+        for renorm, kappa in renorms
+        for noise in noises
+        for n, seeds in ns_seeds
+        for seed in range(seeds)
+    ]
+
+
+#: The limit sweep's design (n, independent sequences); a larger machine would run (4096, 40) too.
+LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
+
+# ----------------------------------------------------------------------------- regime (ii): the whole law (issue 21)
+
+
+def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: str, kappa, seed: int, init):
+    """One regime-(ii) chain (the step rule of ``attnlib.prompts.run_chain``); the residual
+    ``A Sigma B^T - M`` at every step."""
+    from .prompts import PromptObjective
+    from .renorm import ScaledStructuredStep, renormalize_scaled
+    from .rng import make_generator
+
+    obj = PromptObjective(task, n, prompts, make_generator(seed))
+    step = ScaledStructuredStep(lr, task, mode, kappa)
+    A, B = renormalize_scaled(init[0], init[1], task, mode, kappa)
+    Es = []
+    for m in range(steps + 1):
+        Es.append((A @ task.Sigma @ B.T - task.M).detach())
+        if m == steps:
+            break
+        A_, B_ = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+        grads = torch.autograd.grad(obj(A_, B_), (A_, B_))
+        step.update(None, A_, B_, grads)
+        A, B = A_.detach(), B_.detach()
+    return Es
+
+
+def _run_law(spec: dict) -> List[dict]:
+    """A pair of chains on the same prompts (common random numbers): one from the minimum set, one
+    from P-distance ``radius`` (before the renormalization). Rows: the population excess of both
+    iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
+    from .geometry import manifold_point, perturb
+
+    task = make_task(0.0)
+    n, pair = int(spec["n"]), int(spec["pair"])
+    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
+    seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
+    on = manifold_point(task, task.svd[2])
+    pert = perturb(*on, task, float(spec["radius"]), seed=derive_seed(pair, "regime-ii-law:direction"))
+    args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
+    E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
+    S_half = task.Sigma_sqrt
+    rows = []
+    for m, (a, b) in enumerate(zip(E_on, E_pert)):
+        a_, b_ = a @ S_half, b @ S_half
+        rows.append(
+            dict(
+                step=m,
+                excess_on=0.5 * float(torch.sum(a_**2)),
+                excess_pert=0.5 * float(torch.sum(b_**2)),
+                gap=float(torch.linalg.norm(b_ - a_)),
+                cross=float(torch.sum(a_ * (b_ - a_))),
+            )
+        )
+    return rows
+
+
+def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5) -> List[dict]:
+    return [
+        dict(
+            run=f"{label}:n={n}:radius={radius}:pair={p}",
+            label=label,
+            mode=mode,
+            kappa=kappa if kappa is not None else "",
+            n=int(n),
+            pair=int(p),
+            radius=float(radius),
+            steps=int(steps),
+            prompts=prompts_per_step(n),
+            lr=float(lr),
+            cost=2.0 * prompts_per_step(n) * n * n * steps,
+        )
+        for n in ns
+        for radius in radii
+        for p in range(pairs)
+    ]
+
+
+#: The cap that minimizes the predicted c2 at the chains' point W = V (``attnlib.theory.best_scale``: 0.145),
+#: run with the design of the ``prompts`` sweep to test the prediction against the cap 1/4 (issue 21).
+BEST_SCALE = (("cap0.145", "cap", 0.145),)
+
+#: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
+#: and 0.5, 16 pairs of chains each.
+LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16)
+
 # ----------------------------------------------------------------------------- the sweeps
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
@@ -358,6 +510,45 @@ SWEEPS: Dict[str, dict] = {
         quick=lambda: _prompt_specs(
             (("balance", "balance", None), ("cap0.25", "cap", 0.25)), (16, 32), 3, steps=12, burn_in=4
         ),
+    ),
+    "limit": dict(
+        func=_run_limit,
+        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "lr"),
+        columns=tuple(f"excess_{m}" for m in LIMIT_RECORD)
+        + (
+            "excess_limit",
+            "residual",
+            "newton_iterations",
+            "converged",
+            "radius",
+            "removed",
+            "loss_limit",
+            "grad_norm",
+            "dist_limit",
+            "dist_300_limit",
+            "scale_limit",
+            "overlap_min",
+            "fast_max",
+        )
+        + tuple(f"mu_slow{i}" for i in range(LIMIT_SLOW))
+        + tuple(f"h_rot{i}" for i in range(LIMIT_SLOW)),
+        full=lambda: _limit_specs(LIMIT_DESIGN),
+        quick=lambda: _limit_specs(((32, 2),)),
+    ),
+    "prompts_best": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
+        quick=lambda: _prompt_specs(BEST_SCALE, (16,), 3, steps=12, burn_in=4),
+    ),
+    "law": dict(
+        func=_run_law,
+        spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
+        columns=("step", "excess_on", "excess_pert", "gap", "cross"),
+        full=lambda: _law_specs(**LAW_DESIGN),
+        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,)),
     ),
 }
 

@@ -42,6 +42,7 @@ __all__ = [
     "steps_per_decade",
     "gamma_design",
     "chain_design",
+    "paired_ratio_design",
 ]
 
 
@@ -410,4 +411,43 @@ def chain_design(
         return ustat_exponent(ns, U)
 
     simulate.design = {"ns": np.array(ns), "chains": K, "rel_noise": rel, "truth": float(truth)}
+    return simulate
+
+
+@dataclass
+class _RatioFit:
+    """A paired ratio on the log scale, in the shape :func:`coverage` reads (``slope``, ``ci``, ``covers``)."""
+
+    slope: float
+    ci: tuple
+
+    def covers(self, b: float) -> bool:
+        return self.ci[0] <= b <= self.ci[1]
+
+
+def paired_ratio_design(
+    numerator: Sequence[float], denominator: Sequence[float], *, truth: float = 1.0, level: float = 0.95
+) -> Callable[[np.random.Generator], _RatioFit]:
+    """A simulation of :func:`paired_ratio` at one ``n``, for :func:`coverage`: the measured design.
+
+    The ``S`` paired log-ratios ``log(numerator / denominator)`` are centered and resampled with
+    replacement (their measured spread and skew), shifted to the true log-ratio ``log(truth)``; one
+    simulated sweep returns the interval of :func:`paired_ratio` on the log scale, so
+    ``coverage(sim, math.log(truth))`` is the coverage of its nominal ``level`` interval.
+    """
+    num, den = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if num.shape != den.shape or num.ndim != 1 or num.size < 3:
+        raise ValueError("numerator, denominator: expected two paired sequences of the same length >= 3")
+    if np.any(num <= 0) or np.any(den <= 0) or not float(truth) > 0:
+        raise ValueError("numerator, denominator, truth: expected positive values")
+    lr = np.log(num / den)
+    centered = lr - lr.mean()
+    level = _check_level(level)
+
+    def simulate(rng: np.random.Generator) -> _RatioFit:
+        x = math.log(truth) + rng.choice(centered, size=centered.size, replace=True)
+        r, lo, hi = paired_ratio({1: np.exp(x)}, {1: np.ones_like(x)}, level=level)
+        return _RatioFit(math.log(r), (math.log(lo), math.log(hi)))
+
+    simulate.design = {"seeds": int(lr.size), "sd_log": float(lr.std(ddof=1)), "truth": float(truth)}
     return simulate

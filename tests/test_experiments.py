@@ -191,3 +191,29 @@ def test_prompt_residuals_group_the_chains():
     assert ex.prompt_excess(rows, "x")[16]["K"] == 3
     with pytest.raises(ValueError, match="label"):
         ex.prompt_residuals(rows, "y")
+
+
+def test_limit_rows_are_the_fixed_point_of_the_sequence():
+    from attnlib import fixedpoint as fp
+
+    spec = ex.sweep("limit", quick=True).specs[0]
+    row = ex.sweep("limit").func(spec)[0]
+    task = ex.make_task(0.0)
+    X, Y = ex._sequence(task, "regime-i-trained", spec["n"], spec["seed"])
+    assert row["excess_0"] == pytest.approx(float(task.excess_risk(*al.spectral_init(X, Y))), rel=1e-10)
+    h = al.train(X, Y, steps=80, lr=spec["lr"], method="structured", task=task)
+    assert row["excess_80"] == pytest.approx(h.excess[-1], rel=1e-8)  # the trained sweep's estimator, same sequence
+    assert row["converged"] == 1 and row["residual"] < 1e-10 and row["radius"] < 1 and row["removed"] == 11
+    g = fp.SequenceMap(X, Y, spec["lr"])
+    res = fp.fixed_point(g, g.iterate(g.from_params(*al.spectral_init(X, Y)), 300)[-1], task=task)
+    assert row["excess_limit"] == pytest.approx(res.excess, rel=1e-8)
+
+
+def test_law_pairs_share_their_prompts():
+    spec = ex.sweep("law", quick=True).specs[0]
+    same = ex.sweep("law").func(dict(spec, radius=0.0))  # no perturbation: the two chains are identical
+    assert all(r["gap"] < 1e-13 and r["excess_pert"] == pytest.approx(r["excess_on"], abs=1e-15) for r in same)
+    rows = ex.sweep("law").func(spec)
+    assert rows[0]["excess_on"] < 1e-20 and rows[0]["gap"] > 0 and len(rows) == spec["steps"] + 1
+    for r in rows:  # the exact split of the difference: optimization term plus interaction
+        assert r["excess_pert"] - r["excess_on"] == pytest.approx(0.5 * r["gap"] ** 2 + r["cross"], abs=1e-12)

@@ -172,3 +172,15 @@ def test_chain_design_simulates_the_truth_with_the_measured_chain_noise():
         st.chain_design({16: np.zeros((2, 2, 3))}, np.eye(3))
     with pytest.raises(ValueError, match="n_min"):
         st.chain_design(measured, np.eye(3), n_min=100)
+
+
+def test_paired_ratio_design_has_its_coverage():
+    from attnlib import stats as st_
+
+    rng = np.random.default_rng(0)
+    num, den = rng.gamma(3.0, 1.0, 40), rng.gamma(3.0, 1.0, 40)
+    sim = st_.paired_ratio_design(num, den, truth=2.0)
+    cov = st_.coverage(sim, math.log(2.0), reps=400, seed=1)["coverage"]
+    assert 0.9 <= cov <= 0.99
+    with pytest.raises(ValueError, match="paired"):
+        st_.paired_ratio_design(num, den[:5])

@@ -1,0 +1,280 @@
+r"""Regime (ii), first-order theory (ours): the ``1/n`` term of ``L_n`` and the constant ``c2``.
+
+Coordinates of the true ``Sigma``: ``At = A Sigma^{1/2}``, ``C = Sigma^{1/2} B^T Sigma^{1/2}``,
+``T = M Sigma^{1/2}``, tokens ``x = Sigma^{1/2} z`` with ``z ~ N(0, I)``. A query ``z`` tilts the
+softmax by ``a = C z``; the layer's output is ``At m`` with ``m`` the self-normalized average of
+the ``n`` tokens (the query's own among them) under the weights ``exp(a^T z_j)``. Expanding
+``m = a + delta`` (the Gaussian tilt gives the limit ``a``):
+
+* bias ``E[delta | z] = b(z) / n + O(n^-2)``, ``b(z) = -e^{|a|^2} a + e^{z^T H z} (z - a)`` with
+  ``H = C_sym - K / 2``, ``K = C^T C``: the self-normalized importance-sampling bias and the
+  self token (weight ``exp(z^T C z - |a|^2 / 2)`` relative to the mean weight);
+* covariance ``Cov(delta | z) = e^{|a|^2} (I + a a^T) / n + O(n^-2)``.
+
+Hence ``L_n = L + D_1 / n + O(n^-2)`` with, for ``G = At^T At``, ``F = At^T (At C - T)``,
+``S_K = (I - 2K)^{-1}``, ``S_H = (I - 2H)^{-1}``,
+
+.. math:: D_1 = \det(I - 2K)^{-1/2}\Big[\tfrac12\operatorname{tr} G + \tfrac12\operatorname{tr}(C^\top G C S_K)
+          - \operatorname{tr}(C^\top F S_K)\Big] + \det(I - 2H)^{-1/2}\operatorname{tr}\big((I - C)^\top F S_H\big),
+
+(the Gaussian integrals ``E e^{z^T Q z} = det(I - 2Q)^{-1/2}``, ``E e^{z^T Q z} z z^T =
+det(I - 2Q)^{-1/2} (I - 2Q)^{-1}``), finite only when ``lambda_max(K) < 1/2`` and
+``lambda_max(H) < 1/2`` (:func:`thresholds`). :func:`d1` evaluates it (differentiable).
+
+The chains of :func:`attnlib.prompts.run_chain` compute the fixed point of "step on ``L_n``, then
+renormalize", not the minimizer of ``L_n`` on the constraint set. The renormalization keeps the
+product ``P = At C``, so at a fixed point the step leaves the product unchanged; to first order in
+``1/n`` (the step's quadratic term is ``O(n^-2)``) the residual ``E = P - T = E_1 / n`` solves the
+Sylvester equation
+
+.. math:: U S U^\top E_1 + E_1 V S V^\top = -\big(t\,\nabla_{\tilde A} D_1\, C_b + \tilde A_b\,\nabla_C D_1 / t\big),
+
+at the point ``(t At_b, C_b / t)`` of the minimum set (``At_b = U S^{1/2} W^T``,
+``C_b = W S^{1/2} V^T``, ``t`` set by the renormalization; :func:`displacement`), independently
+of the step size. Then ``c2 = lim n^2 (L(theta_n) - L*) = ||E_1||_F^2 / 2`` (:func:`c2`): it
+depends on the softmax scale ``nu = s_1(T) / t^2`` and on the rotation ``W`` (which point of the
+minimum set), not on the step size. Along ``W`` the population loss is flat and the iteration
+moves at a rate ``O(1/n)`` per step, so a chain of a few hundred steps stays near its start.
+
+Tails (:func:`tail_exponent`): the expansion's next order needs ``E_z e^{c z^T K z}`` and
+``E_z e^{c z^T H z}`` for ``c > 1``. Cutting the query average where the expansion fails (a
+weight ``e^{|a|^2}`` or ``e^{z^T H z}`` of order ``n``) and using the Gaussian tails
+``P(z^T Q z > s) ~ e^{-s / (2 lambda_max(Q))}`` gives a relative correction to
+``n^2 x excess`` of order ``n^{-zeta}``, ``zeta = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)`` with
+``nu = lambda_max(K)``, ``h = lambda_max(H)`` (a heuristic, up to logarithms).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from ._validate import check_matrix, check_nonneg_float
+from .geometry import to_factor
+from .task import Task
+
+__all__ = [
+    "thresholds",
+    "d1_factor",
+    "d1",
+    "first_order_loss",
+    "point",
+    "displacement",
+    "c2",
+    "best_scale",
+    "tail_exponent",
+]
+
+
+def _check_task(task) -> Task:
+    if not isinstance(task, Task):
+        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
+    return task
+
+
+def _HK(C):
+    K = C.T @ C
+    H = 0.5 * (C + C.T) - 0.5 * K
+    return H, K
+
+
+def thresholds(A, B, task: Task) -> Dict[str, float]:
+    """``{"nu": lambda_max(C^T C), "h": lambda_max(C_sym - K/2)}`` at ``(A, B)``; ``D_1`` needs both below 1/2."""
+    task = _check_task(task)
+    _, C = to_factor(A, B, task)
+    H, K = _HK(C)
+    return {"nu": float(torch.linalg.eigvalsh(K)[-1]), "h": float(torch.linalg.eigvalsh(H)[-1])}
+
+
+def d1_factor(At, C, T, *, parts: bool = False):
+    """``D_1`` in the coordinates ``(At, C)`` of the true ``Sigma`` (differentiable), target ``T = M Sigma^{1/2}``.
+
+    ``parts=True`` returns ``{"variance", "is_bias", "self_token", "total"}`` (the three terms of
+    the module docstring). Raises ``ValueError`` when ``lambda_max(C^T C) >= 1/2`` or
+    ``lambda_max(C_sym - K/2) >= 1/2`` (the integrals diverge).
+    """
+    d = C.shape[0]
+    H, K = _HK(C)
+    I = torch.eye(d, dtype=C.dtype, device=C.device)
+    lk, lh = float(torch.linalg.eigvalsh(K.detach())[-1]), float(torch.linalg.eigvalsh(H.detach())[-1])
+    if lk >= 0.5 or lh >= 0.5:
+        raise ValueError(
+            f"C: D_1 is infinite (lambda_max(C^T C) = {lk:.4g}, lambda_max(C_sym - K/2) = {lh:.4g}; both must be < 1/2)"
+        )
+    G = At.T @ At
+    F = At.T @ (At @ C - T)
+    MK, MH = I - 2 * K, I - 2 * H
+    SK, SH = torch.linalg.inv(MK), torch.linalg.inv(MH)
+    dk, dh = torch.linalg.det(MK) ** -0.5, torch.linalg.det(MH) ** -0.5
+    variance = 0.5 * dk * (torch.trace(G) + torch.trace(C.T @ G @ C @ SK))
+    is_bias = -dk * torch.trace(C.T @ F @ SK)
+    self_token = dh * torch.trace((I - C).T @ F @ SH)
+    total = variance + is_bias + self_token
+    if parts:
+        return {"variance": variance, "is_bias": is_bias, "self_token": self_token, "total": total}
+    return total
+
+
+def d1(A, B, task: Task, *, parts: bool = False):
+    """``D_1(theta) = lim n (L_n(theta) - L(theta))`` for Gaussian tokens (see :func:`d1_factor`)."""
+    task = _check_task(task)
+    At, C = to_factor(A, B, task)
+    return d1_factor(At, C, task.T, parts=parts)
+
+
+def first_order_loss(A, B, task: Task, n: float):
+    """``L(theta) + D_1(theta) / n``: the first-order approximation of ``L_n`` (differentiable)."""
+    task = _check_task(task)
+    n = check_nonneg_float(n, "n", positive=True)
+    return task.population_loss(A, B) + d1(A, B, task) / n
+
+
+def _scale_t2(task: Task, mode: str, kappa: Optional[float]) -> float:
+    s1 = float(task.svd[1][0])
+    if mode == "balance":
+        return 1.0
+    if kappa is None:
+        raise ValueError(f"kappa: mode {mode!r} needs a positive kappa")
+    kappa = check_nonneg_float(kappa, "kappa", positive=True)
+    if mode == "fix":
+        return s1 / kappa
+    if mode == "cap":
+        return max(1.0, s1 / kappa)
+    raise ValueError(f"mode: expected 'balance', 'cap' or 'fix', got {mode!r}")
+
+
+def point(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None):
+    """The point ``(t At_b, C_b / t)`` of the minimum set (factor coordinates) that the renormalization
+    ``mode``/``kappa`` keeps, for rotation ``W`` (d x r, default ``V``, the chains' start); returns ``(At, C, t)``."""
+    task = _check_task(task)
+    U, s, V = task.svd
+    W = V if W is None else check_matrix(W, "W", (task.d, len(s))).to(V)
+    sh = s.sqrt()
+    t = math.sqrt(_scale_t2(task, mode, kappa))
+    return t * (U * sh) @ W.T, (W * sh) @ V.T / t, t
+
+
+def displacement(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None) -> torch.Tensor:
+    """``E_1 = lim n (P_n - T)``: the first-order residual of the iteration's fixed point (k x d, factor coordinates).
+
+    Solves the Sylvester equation of the module docstring at :func:`point` ``(task, W, mode, kappa)``.
+    """
+    task = _check_task(task)
+    At, C, t = point(task, W, mode=mode, kappa=kappa)
+    U, s, V = task.svd
+    At_ = At.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    gA, gC = torch.autograd.grad(d1_factor(At_, C_, task.T), (At_, C_))
+    rhs = -(t * gA @ (C * t) + (At / t) @ gC / t)  # t gA C_b + At_b gC / t
+    k, d = task.k, task.d
+    UU = ((U * s) @ U.T).contiguous()  # U S U^T (k x k)
+    VV = ((V * s) @ V.T).contiguous()  # V S V^T (d x d)
+    # vec(UU E + E VV) = (I_d (x) UU + VV^T (x) I_k) vec(E), column-major vec
+    Op = torch.kron(torch.eye(d, dtype=UU.dtype), UU.contiguous()) + torch.kron(
+        VV.T.contiguous(), torch.eye(k, dtype=UU.dtype)
+    )
+    e = torch.linalg.solve(Op, rhs.T.reshape(-1))
+    return e.reshape(d, k).T
+
+
+def c2(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None) -> float:
+    """``c2 = lim n^2 (L(theta_n) - L*) = ||E_1||_F^2 / 2`` for the fixed point near rotation ``W`` (default ``V``)."""
+    E1 = displacement(task, W, mode=mode, kappa=kappa)
+    return 0.5 * float(torch.sum(E1**2))
+
+
+def best_scale(task: Task, W=None, *, nus=None) -> Dict[str, object]:
+    """``c2`` against the softmax scale ``nu`` (renormalization ``"fix"`` at ``kappa = nu``) and its minimizer.
+
+    ``nus``: the grid (default 200 points in ``[0.02, 0.49]``); scales where ``D_1`` diverges give
+    ``inf``. Returns ``{"nus", "c2", "nu_best", "c2_best"}``.
+    """
+    task = _check_task(task)
+    grid = np.linspace(0.02, 0.49, 200) if nus is None else np.asarray(nus, dtype=float)
+    vals = []
+    for nu in grid:
+        try:
+            vals.append(c2(task, W, mode="fix", kappa=float(nu)))
+        except ValueError:
+            vals.append(math.inf)
+    vals = np.array(vals)
+    i = int(np.argmin(vals))
+    return {"nus": grid, "c2": vals, "nu_best": float(grid[i]), "c2_best": float(vals[i])}
+
+
+def tail_exponent(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None) -> Dict[str, float]:
+    """The heuristic exponent ``zeta`` of the relative correction ``n^2 x excess / c2 - 1 ~ n^-zeta``.
+
+    ``zeta = min(1, 1/(2 nu) - 1, 1/(2 h) - 1)``, ``nu = lambda_max(K)`` (importance weights),
+    ``h = lambda_max(C_sym - K/2)`` (self token) at :func:`point`; a non-positive ``h`` puts no limit.
+    Returns ``{"nu", "h", "zeta_weights", "zeta_self", "zeta"}``.
+    """
+    At, C, _ = point(task, W, mode=mode, kappa=kappa)
+    H, K = _HK(C)
+    nu, h = float(torch.linalg.eigvalsh(K)[-1]), float(torch.linalg.eigvalsh(H)[-1])
+    gw = 1 / (2 * nu) - 1 if nu > 0 else math.inf
+    gs = 1 / (2 * h) - 1 if h > 0 else math.inf
+    return {"nu": nu, "h": h, "zeta_weights": gw, "zeta_self": gs, "zeta": min(1.0, gw, gs)}
+
+
+class SurrogateMap:
+    """The chains' map on the first-order objective ``L + D_1 / n``, deterministic (no Monte Carlo).
+
+    ``G(v)``: the step of :class:`attnlib.renorm.ScaledStructuredStep` (``At -= lr t^2 grad``,
+    ``C -= lr grad / t^2``, ``t^2 = ||At||_F / ||C||_F``) in the factor coordinates of the true
+    ``Sigma``, then the balanced (Procrustes) factorization and the orbit move of ``mode``; the
+    same interface as :class:`attnlib.fixedpoint.SequenceMap` (``size``, ``unpack``, ``pack``,
+    ``jacobian``, ``to_params``), so :func:`attnlib.fixedpoint.fixed_point` finds its fixed point.
+    """
+
+    def __init__(self, task: Task, n: float, lr: float = 0.5, *, mode: str = "balance", kappa: Optional[float] = None):
+        self.task = _check_task(task)
+        self.n = check_nonneg_float(n, "n", positive=True)
+        self.lr = check_nonneg_float(lr, "lr", positive=True)
+        _scale_t2(task, mode, kappa)  # validates mode and kappa
+        self.mode, self.kappa = mode, kappa
+        self.k, self.d = task.k, task.d
+        self.size = self.k * self.d + self.d * self.d
+
+    def unpack(self, v):
+        k, d = self.k, self.d
+        return v[: k * d].reshape(k, d), v[k * d :].reshape(d, d)
+
+    @staticmethod
+    def pack(At, C):
+        return torch.cat([At.reshape(-1), C.reshape(-1)])
+
+    def loss(self, v):
+        At, C = self.unpack(v)
+        return 0.5 * torch.sum((At @ C - self.task.T) ** 2) + d1_factor(At, C, self.task.T) / self.n
+
+    def to_params(self, v):
+        from .geometry import from_factor
+
+        return from_factor(*self.unpack(v.detach()), self.task)
+
+    def __call__(self, v, create_graph: Optional[bool] = None):
+        from .fixedpoint import SequenceMap
+
+        if create_graph is None:
+            create_graph = torch.is_grad_enabled() and v.requires_grad
+        with torch.enable_grad():
+            u = v if v.requires_grad else v.detach().requires_grad_(True)
+            g = torch.autograd.grad(self.loss(u), u, create_graph=create_graph)[0]
+            At, C = self.unpack(u)
+            gA, gC = self.unpack(g)
+            t2 = 1.0 if self.mode == "balance" else torch.linalg.norm(At) / torch.linalg.norm(C)
+            out = self.pack(*SequenceMap.renormalize(self, At - self.lr * t2 * gA, C - (self.lr / t2) * gC))
+        return out if create_graph else out.detach()
+
+    def jacobian(self, v) -> torch.Tensor:
+        return torch.autograd.functional.jacobian(lambda u: self(u, create_graph=True), v.detach().clone())
+
+    def iterate(self, v, steps: int):
+        out = [v.detach()]
+        for _ in range(int(steps)):
+            out.append(self(out[-1], create_graph=False))
+        return out

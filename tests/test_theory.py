@@ -1,0 +1,121 @@
+"""Regime (ii), first-order theory: the 1/n term D_1 of L_n against Monte Carlo, its gradient, and c2."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnlib as al
+from attnlib import fixedpoint as fp
+from attnlib import prompts as pr
+from attnlib import theory as th
+from attnlib.renorm import renormalize_scaled
+
+
+@pytest.fixture(scope="module")
+def task():
+    return al.Task.random(4, 2, cond=10.0, signal=1.0, noise_std=0.0, seed=0)
+
+
+def _point(task, kappa, radius, seed=3):
+    A, B = al.manifold_point(task, task.svd[2])
+    A, B = renormalize_scaled(A, B, task, "fix", kappa)
+    return al.perturb(A, B, task, radius, seed=seed) if radius else (A, B)
+
+
+def _mc_gap(task, A, B, n, prompts, batches, seed):
+    """Monte Carlo of n (L_n - L) with its standard error (control variate: exact limit layer on the same prompts)."""
+    gen = al.make_generator(seed)
+    vals = []
+    for _ in range(batches):
+        X, Y = pr.sample_prompts(task, n, prompts, generator=gen)
+        vals.append((pr.prompt_losses(A, B, X, Y) - pr.limit_losses(A, B, task, X, Y)).numpy())
+    v = np.concatenate(vals) * n
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(v.size))
+
+
+@pytest.mark.parametrize("radius", [0.0, 0.2])
+def test_d1_matches_monte_carlo(task, radius):
+    # a light-tailed point (nu = 0.05): the O(1/n) remainder is small against the Monte Carlo error
+    A, B = _point(task, 0.05, radius)
+    D = float(th.d1(A, B, task))
+    mc, se = _mc_gap(task, A, B, 128, 2000, 5, seed=1)
+    assert abs(mc - D) < 4 * se + 0.01 * abs(D), (mc, se, D)
+    assert se < 0.02 * abs(D)  # the check has power
+
+
+def test_d1_parts_and_the_self_token(task):
+    A, B = _point(task, 0.05, 0.2)
+    p = th.d1(A, B, task, parts=True)
+    assert float(p["total"]) == pytest.approx(float(p["variance"] + p["is_bias"] + p["self_token"]))
+    Am, Bm = _point(task, 0.05, 0.0)  # on the minimum set the residual vanishes and only the variance is left
+    pm = th.d1(Am, Bm, task, parts=True)
+    assert abs(float(pm["is_bias"])) < 1e-12 and abs(float(pm["self_token"])) < 1e-12
+    # the variance term as a brute-force Gaussian average of e^{|a|^2} (tr G + a^T G a) / 2
+    At, C = al.to_factor(Am, Bm, task)
+    z = torch.randn(400_000, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = z @ C.T
+    G = At.T @ At
+    f = 0.5 * torch.exp((a * a).sum(1)) * (torch.trace(G) + ((a @ G) * a).sum(1))
+    assert abs(float(f.mean()) - float(pm["variance"])) < 4 * float(f.std()) / math.sqrt(z.shape[0])
+
+
+def test_d1_gradient_matches_the_finite_n_gradient(task):
+    A, B = _point(task, 0.05, 0.2)
+    A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()
+    gD = torch.cat([g.ravel() for g in torch.autograd.grad(th.d1(A_, B_, task), (A_, B_))]).numpy()
+    obj = pr.PromptObjective(task, 128, 1000, al.make_generator(7))
+    gs = []
+    for _ in range(8):
+        A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()
+        X, Y = obj.draw()
+        gap = obj.estimate(A_, B_, X, Y) - task.population_loss(A_, B_)
+        gs.append(128 * torch.cat([g.ravel() for g in torch.autograd.grad(gap, (A_, B_))]).numpy())
+    gs = np.array(gs)
+    mean, se = gs.mean(0), gs.std(0, ddof=1) / math.sqrt(gs.shape[0])
+    err = np.linalg.norm(mean - gD)
+    assert err < 4 * np.linalg.norm(se) + 0.03 * np.linalg.norm(gD), (err, np.linalg.norm(se), np.linalg.norm(gD))
+
+
+def test_d1_refuses_heavy_tails(task):
+    A, B = _point(task, 0.6, 0.0)
+    with pytest.raises(ValueError, match="infinite"):
+        th.d1(A, B, task)
+    assert th.thresholds(A, B, task)["nu"] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("mode,kappa", [("cap", 0.25), ("fix", 0.15)])
+def test_c2_is_the_fixed_point_of_the_first_order_map(task, mode, kappa):
+    # the chains' map on L + D_1/n, iterated from the minimum set at W = V, settles at n^2 excess = c2(V)
+    n = 1e5
+    sm = th.SurrogateMap(task, n, 0.5, mode=mode, kappa=kappa)
+    At, C, t = th.point(task, mode=mode, kappa=kappa)
+    v = sm.iterate(sm.pack(At, C), 80)[-1]
+    res = fp.fixed_point(sm, v, tol=1e-14)
+    At1, C1 = sm.unpack(res.v)
+    measured = n**2 * 0.5 * float(torch.sum((At1 @ C1 - task.T) ** 2))
+    assert measured == pytest.approx(th.c2(task, mode=mode, kappa=kappa), rel=5e-3)
+    # independent of the step size (to first order)
+    sm2 = th.SurrogateMap(task, n, 0.25, mode=mode, kappa=kappa)
+    v2 = sm2.iterate(sm2.pack(At, C), 160)[-1]
+    A2, C2 = sm2.unpack(v2)
+    assert n**2 * 0.5 * float(torch.sum((A2 @ C2 - task.T) ** 2)) == pytest.approx(measured, rel=5e-3)
+
+
+def test_c2_depends_on_the_point_of_the_minimum_set_and_has_a_best_scale(task):
+    vals = [th.c2(task, al.random_manifold_point(task, seed=s)[2], mode="cap", kappa=0.25) for s in range(3)]
+    assert max(vals) > 1.1 * min(vals)
+    b = th.best_scale(task)
+    assert 0.02 < b["nu_best"] < 0.49 and b["c2_best"] <= np.min(b["c2"]) + 1e-12
+    assert th.c2(task, mode="fix", kappa=b["nu_best"]) == pytest.approx(b["c2_best"])
+
+
+def test_tail_exponent(task):
+    e = th.tail_exponent(task, mode="fix", kappa=0.375)
+    assert e["zeta_weights"] == pytest.approx(1 / 0.75 - 1)
+    assert e["zeta"] == pytest.approx(min(1.0, e["zeta_weights"], e["zeta_self"]))
+    with pytest.raises(ValueError, match="mode"):
+        th.tail_exponent(task, mode="nope", kappa=0.2)
+    with pytest.raises(ValueError, match="task"):
+        th.c2("task")
