@@ -224,7 +224,7 @@ def test_wide_outputs_scroll_on_a_phone(server, phone):
 # figures with alt text, and the page's length in screens (measured and printed, not asserted)
 
 VIEWPORTS = {"desktop": {"width": 1280, "height": 900}, "phone": {"width": 390, "height": 844}}
-ALL_PAGES = list(PAGES)
+ALL_PAGES = [*PAGES, "glossary"]
 
 # inline formulas that end right of the text column (outside any box that scrolls by design:
 # tables and display math scroll in their own box), MathJax's error elements, links whose text
