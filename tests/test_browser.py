@@ -382,3 +382,30 @@ def test_phone_sidebars_open_and_close_by_tapping(side, server, browser):
     page.keyboard.press("Escape")
     page.wait_for_function(f"() => !document.querySelector('#pst-{side}-sidebar-modal').open", timeout=5000)
     context.close()
+
+
+@pytest.mark.parametrize("width", VIEWPORTS)
+def test_findings_table_reads_on_both_widths(width, server, browser):
+    """The verdict table of the findings page: a table on a wide screen, cards with their column
+    names on a phone, never wider than the screen."""
+    viewport = VIEWPORTS[width]
+    context, page, _ = _open_at(browser, server, "findings", viewport)
+    info = page.evaluate("""() => {
+      const t = document.querySelector('.bd-article table.verdicts');
+      if (!t) return null;
+      const rows = [...t.querySelectorAll('tbody tr')];
+      const cell = rows[0].querySelector('td');
+      return {rows: rows.length, display: getComputedStyle(rows[0]).display,
+              right: Math.max(...rows.map(r => r.getBoundingClientRect().right)),
+              label: getComputedStyle(cell, '::before').content,
+              headers: [...t.querySelectorAll('thead th')].map(th => th.textContent.trim())};
+    }""")
+    context.close()
+    assert info, "the findings page has no verdict table (class verdicts)"
+    assert info["headers"] == ["Claim", "Source", "Verdict", "Regime", "Where measured"]
+    assert info["rows"] >= 8
+    assert info["right"] <= viewport["width"] + 1, info
+    if width == "phone":
+        assert info["display"] == "block" and info["label"] == '"Claim"', info
+    else:
+        assert info["display"] == "table-row", info
