@@ -42,6 +42,11 @@ def test_site_ships_wheel_and_bundle_linked_from_the_landing_page(site):
     assert wheel.is_file() and bundle.is_file()
     page = (site / "book" / "intro.html").read_text()
     assert 'href="../dist/attnlib-book.zip"' in page and f'href="../dist/{wheel.name}"' in page
+    # the PDF: linked where the site ships it, else the page says how to make it
+    if (site / "dist" / "book.pdf").is_file():
+        assert 'href="../dist/book.pdf"' in page
+    else:
+        assert "--builder pdflatex" in page and "dist/book.pdf" not in page
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     assert "attnlib/__init__.py" in names and "attnlib/course/__init__.py" in names

@@ -4,6 +4,9 @@ After an HTML build this writes, into the site's ``dist/`` folder:
 
 - ``attnlib-<version>-py3-none-any.whl``, built by ``pip wheel --no-deps --no-build-isolation``
   from a copy of the library's sources (the checkout stays clean);
+- ``book.pdf``, the whole book, when the LaTeX build ran first into the same ``_build``
+  (``jupyter-book build . --builder pdflatex``, then the HTML build); the landing page's
+  ``{{ pdf_download }}`` links it, or says how to make it;
 - ``attnlib-book.zip``: a folder ``attnlib-book/`` with every chapter notebook, the committed
   results they read (``data/``), the wheel and ``requirements.txt`` (binder/requirements.txt, the
   reader's environment, plus the wheel), so that ``pip install -r requirements.txt`` in it is the
@@ -92,6 +95,19 @@ def build_bundle(root, book_dir, wheel, out):
     return target
 
 
+def _pdf(app):
+    return Path(app.outdir).parent / "latex" / "book.pdf"
+
+
+def _pdf_substitution(app, config):
+    subs = dict(config.myst_substitutions or {})
+    if _pdf(app).is_file():
+        subs["pdf_download"] = '<a href="../dist/book.pdf">the whole book as one PDF</a>'
+    else:
+        subs["pdf_download"] = "the whole book as one PDF (`jupyter-book build . --builder pdflatex`)"
+    config.myst_substitutions = subs
+
+
 def _ship(app, exception):
     if exception is not None or app.builder.format != "html":
         return
@@ -100,11 +116,14 @@ def _ship(app, exception):
         out = Path(app.outdir) / "dist"
         wheel = build_wheel(root, out)
         bundle = build_bundle(root, Path(app.srcdir) / "book", wheel, out)
+        if _pdf(app).is_file():
+            shutil.copy2(_pdf(app), out / "book.pdf")
         logger.info(f"ship_code: {wheel.name} and {bundle.name} in {out}")
     except Exception as exc:  # a warning: with -W the build fails
         logger.warning(f"ship_code: the site ships no code: {exc}")
 
 
 def setup(app):
+    app.connect("config-inited", _pdf_substitution)
     app.connect("build-finished", _ship)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
