@@ -46,7 +46,7 @@ def test_site_ships_wheel_and_bundle_linked_from_the_landing_page(site):
     if (site / "dist" / "book.pdf").is_file():
         assert 'href="../dist/book.pdf"' in page
     else:
-        assert "--builder pdflatex" in page and "dist/book.pdf" not in page
+        assert "pdflatex" in page and "dist/book.pdf" not in page
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     assert "attnlib/__init__.py" in names and "attnlib/course/__init__.py" in names
