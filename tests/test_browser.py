@@ -409,3 +409,21 @@ def test_findings_table_reads_on_both_widths(width, server, browser):
         assert info["display"] == "block" and info["label"] == '"Claim"', info
     else:
         assert info["display"] == "table-row", info
+
+
+def test_desktop_primary_toggle_collapses_the_sidebar(server, browser):
+    """On a wide screen the visible primary toggle (the article header's) slides the navigation
+    out and back (sphinx-book-theme's collapse, reached through book/static/sidebar-toggles.js)."""
+    context, page, _ = _open_at(browser, server, "ch2_population", VIEWPORTS["desktop"])
+    toggle = page.locator(".primary-toggle").filter(visible=True)
+    assert toggle.count() == 1
+    sidebar = page.locator("#pst-primary-sidebar")
+    hidden = "e => e.classList.contains('pst-sidebar-hidden')"
+    assert not sidebar.evaluate(hidden)
+    toggle.first.click()
+    page.wait_for_function("() => document.querySelector('#pst-primary-sidebar').getBoundingClientRect().right <= 0")
+    assert sidebar.evaluate(hidden)
+    assert not page.locator("#pst-primary-sidebar-modal").evaluate("d => d.open")
+    toggle.first.click()
+    page.wait_for_function("() => document.querySelector('#pst-primary-sidebar').getBoundingClientRect().left >= 0")
+    context.close()
