@@ -19,7 +19,17 @@ from collections.abc import Mapping, Sequence
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLUMN_WIDTH", "STYLE", "use_style", "figure", "shared_legend", "table", "check_labelled"]
+__all__ = [
+    "COLUMN_WIDTH",
+    "STYLE",
+    "use_style",
+    "inline_retina",
+    "caption_html",
+    "figure",
+    "shared_legend",
+    "table",
+    "check_labelled",
+]
 
 #: Width of the book's text column in inches (figures are saved at this width).
 COLUMN_WIDTH = 6.3
@@ -47,8 +57,34 @@ STYLE = {
 
 
 def use_style() -> None:
-    """Apply :data:`STYLE` to matplotlib (call once at the top of a chapter)."""
+    """Apply :data:`STYLE` to matplotlib (call once at the top of a chapter).
+
+    In a notebook with the inline backend it also makes figures crisp on high-density screens:
+    :func:`inline_retina` (PNG at twice the pixels, shown at the column width).
+    """
     mpl.rcParams.update(STYLE)
+    inline_retina()
+
+
+def inline_retina() -> bool:
+    """Show inline figures as "retina" PNGs: drawn at twice ``figure.dpi``, displayed at the size of
+    ``figure.dpi`` (the output's width/height metadata, which myst-nb writes into the page).
+
+    Returns ``True`` where an IPython kernel is running (the setting applies to it), ``False``
+    elsewhere (nothing changes; scripts and tests save figures as before). PNG rather than SVG:
+    the book's LaTeX/PDF build takes PNGs as they are, and nbval ignores PNG data.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency of the book, not of attnlib
+        return False
+    shell = get_ipython()
+    if shell is None or "image/png" not in shell.display_formatter.formatters:
+        return False
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    set_matplotlib_formats("retina")
+    return True
 
 
 def figure(ncols: int = 1, nrows: int = 1, *, height: float | None = None, **kwargs):
@@ -149,5 +185,32 @@ def table(
     if formats:
         sty = sty.format({c: f for c, f in formats.items() if c in df.columns}, na_rep="-", escape="html")
     if caption:
-        sty = sty.set_caption(caption)
+        sty = sty.set_caption(caption_html(caption))
     return sty
+
+
+_INLINE_MATH = re.compile(r"(?<![\\$])\$([^$]+?)(?<!\\)\$")
+
+
+def caption_html(caption: str) -> str:
+    """A table caption as HTML: text escaped, ``$...$`` as inline mathematics the book typesets.
+
+    Sphinx's MathJax typesets only elements of class ``math`` (not a notebook's raw HTML output),
+    so each ``$tex$`` becomes ``<span class="math notranslate nohighlight">\\(tex\\)</span>``,
+    the markup Sphinx writes for inline math. ``\\$`` is a literal dollar sign.
+    """
+    import html
+
+    if not isinstance(caption, str):
+        raise ValueError(f"caption: expected a string, got {type(caption).__name__}")
+    parts, last = [], 0
+    for m in _INLINE_MATH.finditer(caption):
+        parts.append(html.escape(caption[last : m.start()].replace("\\$", "$"), quote=False))
+        tex = html.escape(m.group(1), quote=False)
+        parts.append(f'<span class="math notranslate nohighlight">\\({tex}\\)</span>')
+        last = m.end()
+    rest = caption[last:]
+    if rest.replace("\\$", "").count("$"):
+        raise ValueError(f"caption: unbalanced '$' in {caption!r} (write \\$ for a dollar sign)")
+    parts.append(html.escape(rest.replace("\\$", "$"), quote=False))
+    return "".join(parts)

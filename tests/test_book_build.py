@@ -56,3 +56,27 @@ def test_marker_filter_keeps_code_and_drops_markers():
     src += "### BEGIN HIDDEN TESTS\nassert x == 1\n### END HIDDEN TESTS\ny = 2"
     assert strip_markers(src) == "print(1)\nx = 1\ny = 2"
     assert strip_markers("a = '# NBVAL_CHECK_OUTPUT'") == "a = '# NBVAL_CHECK_OUTPUT'"  # only whole marker lines
+
+
+def test_html_table_outputs_become_latex_tables():
+    """book/_ext/html_tables.py: a Styler's HTML (what the PDF would otherwise show as
+    '<pandas...Styler at 0x...>') becomes a docutils table, math in its cells and caption."""
+    import sys
+    from pathlib import Path
+
+    from docutils import nodes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "book" / "_ext"))
+    from html_tables import parse_table, table_node
+
+    import attnlib.plotting as ap
+
+    html = ap.table({"n": [16, 32], "excess": [0.5, 0.25]}, caption="Excess at $n \\le 32$", formats="{:.2f}")
+    caption, head, body = parse_table(html.to_html())
+    assert caption == "Excess at \\(n \\le 32\\)"
+    assert head == [["n", "excess"]] and body == [["16", "0.50"], ["32", "0.25"]]
+    table = table_node(caption, head, body)
+    assert [m.astext() for m in table.findall(nodes.math)] == ["n \\le 32"]
+    assert len(list(table.findall(nodes.row))) == 3 and len(list(table.findall(nodes.entry))) == 6
+    assert parse_table("<p>no table</p>") is None
+    assert parse_table("<table><tr><td>1</td></tr><tr><td>1</td><td>2</td></tr></table>") is None  # ragged

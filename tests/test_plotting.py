@@ -86,3 +86,47 @@ def test_table_escapes_text():
     assert "&lt; 1e-10" in html and "< 1e-10" not in html
     assert "L(theta&#x27;) - L" in html or "L(theta&#39;) - L" in html
     assert "0.50" in html
+
+
+def test_table_caption_typesets_math_and_escapes_text():
+    cap = ap.caption_html("Excess $L_n - L^*$ < 1e-10 at $n = 2^{10}$, cost \\$5")
+    assert cap == (
+        'Excess <span class="math notranslate nohighlight">\\(L_n - L^*\\)</span> &lt; 1e-10 at '
+        '<span class="math notranslate nohighlight">\\(n = 2^{10}\\)</span>, cost $5'
+    )
+    html = ap.table({"n": [1.0]}, caption="rows at $x < 1$").to_html()
+    assert '<span class="math notranslate nohighlight">\\(x &lt; 1\\)</span>' in html
+    with pytest.raises(ValueError, match="caption"):
+        ap.caption_html("one $ sign")
+    with pytest.raises(ValueError, match="caption"):
+        ap.caption_html(3)
+
+
+def test_inline_figures_are_retina_in_a_kernel():
+    """In an IPython shell with the inline backend, use_style() makes PNGs of twice the pixels,
+    displayed at the figure's size (width metadata); outside IPython nothing changes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import matplotlib\n"
+        "matplotlib.use('module://matplotlib_inline.backend_inline')\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "import base64, struct\n"
+        "shell = InteractiveShell.instance()\n"
+        "import attnlib.plotting as ap\n"
+        "ap.use_style()\n"
+        "fig, ax = ap.figure(1)\n"
+        "ax.plot([0, 1], [0, 1])\n"
+        "data, meta = shell.display_formatter.format(fig)\n"
+        "png = base64.b64decode(data['image/png']) if isinstance(data['image/png'], str) else data['image/png']\n"
+        "width = struct.unpack('>I', png[16:20])[0]\n"
+        "print(width, meta['image/png']['width'])\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MPLBACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    out = out.stdout.split()
+    natural, shown = int(out[-2]), int(out[-1])
+    assert abs(shown - ap.COLUMN_WIDTH * ap.STYLE["figure.dpi"]) < 0.05 * shown  # the column width
+    assert natural >= 2 * shown - 2, (natural, shown)
+    assert ap.inline_retina() is False  # no IPython shell in this process
