@@ -42,7 +42,25 @@ from .task import Task
 __all__ = ["SequenceMap", "FixedPoint", "fixed_point", "Spectrum", "spectrum", "rotation_basis", "orbit_curvature"]
 
 
-class SequenceMap:
+class IteratedMap:
+    """What every map ``G`` of this module shares: its Jacobian and its iterates.
+
+    A subclass defines ``__call__(v, create_graph=None)`` on packed coordinates ``v``.
+    """
+
+    def jacobian(self, v) -> torch.Tensor:
+        """``dG/dv`` at ``v`` (``size x size``), by ``torch.autograd.functional.jacobian``."""
+        return torch.autograd.functional.jacobian(lambda u: self(u, create_graph=True), v.detach().clone())
+
+    def iterate(self, v, steps: int):
+        """``G`` applied ``steps`` times; returns the list of iterates (``v`` first)."""
+        out = [v.detach()]
+        for _ in range(int(steps)):
+            out.append(self(out[-1], create_graph=False))
+        return out
+
+
+class SequenceMap(IteratedMap):
     """The map ``G`` (step, then renormalize) of Algorithm 1 on one sequence, in balanced coordinates.
 
     ``G(v)`` takes the flattened ``v = (At, C)`` (``k d + d^2`` entries, coordinates of
@@ -146,17 +164,6 @@ class SequenceMap:
             At, C = self.step(v, create_graph=create_graph)
             out = self.pack(*self.renormalize(At, C))
         return out if create_graph else out.detach()
-
-    def jacobian(self, v) -> torch.Tensor:
-        """``dG/dv`` at ``v`` (``size x size``), by ``torch.autograd.functional.jacobian``."""
-        return torch.autograd.functional.jacobian(lambda u: self(u, create_graph=True), v.detach().clone())
-
-    def iterate(self, v, steps: int):
-        """``G`` applied ``steps`` times; returns the list of iterates (``v`` first)."""
-        out = [v.detach()]
-        for _ in range(int(steps)):
-            out.append(self(out[-1], create_graph=False))
-        return out
 
 
 @dataclass

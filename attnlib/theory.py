@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ._validate import check_matrix, check_nonneg_float
+from .fixedpoint import IteratedMap
 from .geometry import to_factor
 from .task import Task
 
@@ -220,7 +221,7 @@ def tail_exponent(task: Task, W=None, *, mode: str = "balance", kappa: Optional[
     return {"nu": nu, "h": h, "zeta_weights": gw, "zeta_self": gs, "zeta": min(1.0, gw, gs)}
 
 
-class SurrogateMap:
+class SurrogateMap(IteratedMap):
     """The chains' map on the first-order objective ``L + D_1 / n``, deterministic (no Monte Carlo).
 
     ``G(v)``: the step of :class:`attnlib.renorm.ScaledStructuredStep` (``At -= lr t^2 grad``,
@@ -269,12 +270,3 @@ class SurrogateMap:
             t2 = 1.0 if self.mode == "balance" else torch.linalg.norm(At) / torch.linalg.norm(C)
             out = self.pack(*SequenceMap.renormalize(self, At - self.lr * t2 * gA, C - (self.lr / t2) * gC))
         return out if create_graph else out.detach()
-
-    def jacobian(self, v) -> torch.Tensor:
-        return torch.autograd.functional.jacobian(lambda u: self(u, create_graph=True), v.detach().clone())
-
-    def iterate(self, v, steps: int):
-        out = [v.detach()]
-        for _ in range(int(steps)):
-            out.append(self(out[-1], create_graph=False))
-        return out
