@@ -212,19 +212,24 @@ def _run_trained(spec: dict) -> List[dict]:
     return rows
 
 
+def _sequence_spec(renorm, kappa, noise, n, seed, lr, cost, **extra) -> dict:
+    """One regime-(i) run: a renormalization (and its cap), a noise level, one sequence ``(n, seed)``."""
+    return dict(
+        run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
+        renorm=renorm,
+        kappa=kappa if kappa is not None else "",
+        noise_std=float(noise),
+        n=int(n),
+        seed=int(seed),
+        **extra,
+        lr=float(lr),
+        cost=float(cost),
+    )
+
+
 def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
     return [
-        dict(
-            run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
-            renorm=renorm,
-            kappa=kappa if kappa is not None else "",
-            noise_std=float(noise),
-            n=int(n),
-            seed=int(seed),
-            steps=int(steps),
-            lr=float(lr),
-            cost=float(n) ** 2 * steps + 2e4 * steps,
-        )
+        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2 * steps + 2e4 * steps, steps=int(steps))
         for renorm, kappa, noise in configs
         for n in ns
         for seed in range(seeds)
@@ -371,16 +376,7 @@ LIMIT_SLOW = 5  #: rotation directions of the sweeps' task (d = 4, rank 2: dim S
 
 def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) -> List[dict]:
     return [
-        dict(
-            run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
-            renorm=renorm,
-            kappa=kappa if kappa is not None else "",
-            noise_std=float(noise),
-            n=int(n),
-            seed=int(seed),
-            lr=float(lr),
-            cost=float(n) ** 2,
-        )
+        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2)
         for renorm, kappa in renorms
         for noise in noises
         for n, seeds in ns_seeds
