@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-CHAPTERS = sorted(p.stem for p in (ROOT / "book").glob("ch*.ipynb"))
+CHAPTERS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "book").glob("ch*.ipynb"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
     "--no-sandbox",
