@@ -930,6 +930,103 @@ SWEEPS["optimizers_sequence"] = dict(
 )
 
 
+# ``optimizers_factored``: the four-factor parameterization (attnlib.optimizers.train_factored: B = W_Q^T W_K,
+# A = W_O W_V, head dimension d_h = d or d_h = rank(T)) on the population objective, from a random start
+# (attnlib.optimizers.factored_start, scale 0.5 in the whitened coordinates, the same for every cond(Sigma)),
+# OPT_FACTOR_STEPS steps, step size from a half-decade log grid extended until interior (selection: mean log10
+# excess, attnlib.optimizers.log_excess_score). One row per step size; ``selected`` marks the chosen one.
+OPT_FACTOR_GRIDS: Dict[str, tuple] = {
+    "structured": (-1.5, 0.0),
+    "gd": (-1.5, 0.0),
+    "adam": (-3.0, -1.5),
+    "shampoo": (-2.0, -0.5),
+    "muon_decay": (-2.5, -1.0),
+}
+OPT_FACTOR_CONDS = (1.0, 100.0, 1e4)
+OPT_FACTOR_STEPS = 600
+
+
+def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
+    """One four-factor run of the ``optimizers_factored`` sweep at step ``lr`` (a History)."""
+    from .optimizers import train_factored
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    return train_factored(
+        task,
+        method=spec["label"],
+        d_h=int(spec["d_h"]),
+        steps=int(spec["steps"]),
+        lr=float(lr),
+        seed=derive_seed(int(spec["seed"]), "optimizers-factored:start"),
+        on_divergence=on_divergence,
+    )
+
+
+def _run_optimizers_factored(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    lo, hi = OPT_FACTOR_GRIDS[spec["label"]]
+    grid = [float(10.0**e) for e in np.arange(lo, hi + 1e-9, 0.5)]
+    res = opt.grid_search(
+        lambda lr, on_divergence="stop": run_factored(spec, lr, on_divergence=on_divergence), grid, extend=12
+    )
+    rows = []
+    for lr, score in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if score is not None and lr == res["lr"]:
+            row.update(opt.measure_factored(res["best"], task))
+        rows.append(row)
+    return rows
+
+
+def _factored_specs(labels, conds, d_hs, seeds, steps=OPT_FACTOR_STEPS) -> List[dict]:
+    return [
+        dict(
+            run=f"{lab}:cond={c:g}:d_h={dh}:seed={s}",
+            label=lab,
+            cond=float(c),
+            d_h=int(dh),
+            seed=int(s),
+            steps=int(steps),
+            cost=float(steps) * (2.5 if lab == "shampoo" else 1.0),
+        )
+        for lab in labels
+        for c in conds
+        for dh in d_hs
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_factored"] = dict(
+    func=_run_optimizers_factored,
+    spec_columns=("label", "cond", "d_h", "seed", "steps"),
+    columns=(
+        "lr",
+        "score",
+        "diverged",
+        "selected",
+        "position",
+        "steps_1e-6",
+        "steps_1e-10",
+        "max_after_1e-6",
+        "max_after_1e-10",
+        "final_excess",
+        "imb_qk",
+        "imb_ov",
+        "imb_qk_euclid",
+        "imb_ov_euclid",
+        "imbalance",
+        "nu",
+        "nu_over_s1",
+    ),  # fmt: skip
+    # d_h = d = 4 and d_h = rank(T) = k = 2 (the task of optimizer_task)
+    full=lambda: _factored_specs(tuple(OPT_FACTOR_GRIDS), OPT_FACTOR_CONDS, (4, 2), (0, 1)),
+    quick=lambda: _factored_specs(("structured", "adam"), (100.0,), (2,), (0,), steps=20),
+)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
