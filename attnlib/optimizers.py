@@ -437,6 +437,28 @@ def factored_start(task: Task, d_h: int, *, scale: float = 0.5, seed: int = 0) -
     return tuple(W.to(task.device, task.dtype) for W in out)
 
 
+def factored_balanced(task: Task, d_h: int, *, seed: int = 0) -> tuple:
+    r"""A balanced minimum ``(W_Q, W_K, W_V, W_O)`` of the four-factor problem (head dimension ``d_h >= rank(T)``).
+
+    With ``T = U diag(s) V^T`` (thin, rank ``r``) and ``R`` (d x r) orthonormal (seeded): ``W_O = U s^{1/4}``,
+    ``Wt_V = Wt_K = s^{1/4} R^T``, ``Wt_Q = s^{1/4} V^T`` (rows beyond ``r`` zero), ``W = Wt Sigma^{-1/2}``. Then
+    ``At C = T`` (zero excess), query/key and output/value balanced in the whitened coordinates, and ``nu = s_1(T)``.
+    """
+    d_h = check_positive_int(d_h, "d_h")
+    U, s, V = task.svd
+    r = int(s.numel())
+    if d_h < r:
+        raise ValueError(f"d_h: expected a head dimension >= rank(T) = {r}, got {d_h}")
+    g = torch.Generator().manual_seed(int(seed))
+    R, _ = torch.linalg.qr(torch.randn(task.d, r, generator=g, dtype=torch.float64))
+    R = R.to(task.Sigma)
+    q = torch.zeros(d_h, r, dtype=task.dtype, device=task.device)
+    q[:r] = torch.diag(s**0.25)
+    ev, Q = torch.linalg.eigh(task.Sigma)
+    inv_half = (Q * ev.rsqrt()) @ Q.T
+    return (q @ V.T @ inv_half, q @ R.T @ inv_half, q @ R.T @ inv_half, U @ q.T)
+
+
 def factored_imbalance(WQ, WK, WV, WO, task: Task, *, whitened: bool = True) -> Dict[str, float]:
     r"""Imbalance of query vs key and of output vs value, relative to the nuclear norm of the product.
 

@@ -208,16 +208,6 @@ def test_optimizers_sequence_quick_selects_on_fresh_sequences():
 # ----------------------------------------------------------------------------- four factors
 
 
-def _balanced_factors(task, R_seed=0):
-    # in whitened coordinates: W_O = U s^1/4, Wt_V = Wt_K = s^1/4 R^T, Wt_Q = s^1/4 V^T (so At C = T, balanced)
-    U, s, V = task.svd
-    R, _ = torch.linalg.qr(torch.randn(task.d, s.numel(), generator=torch.Generator().manual_seed(R_seed), dtype=F64))
-    q = torch.diag(s**0.25)
-    ev, Q = torch.linalg.eigh(task.Sigma)
-    inv_half = (Q * ev.rsqrt()) @ Q.T
-    return (q @ V.T @ inv_half, q @ R.T @ inv_half, q @ R.T @ inv_half, U @ q)
-
-
 def test_factored_gradient_is_the_chain_rule_of_the_closed_form():
     task = _task(cond=30.0)
     F = [W.requires_grad_(True) for W in opt.factored_start(task, 3, seed=4)]
@@ -242,7 +232,10 @@ def test_factored_start_is_the_same_in_whitened_coordinates():
 
 def test_factored_imbalance_and_nu_at_a_balanced_minimum():
     task = _task(cond=100.0, seed=3)
-    F = _balanced_factors(task)
+    F = opt.factored_balanced(task, 3, seed=1)
+    assert F[0].shape == (3, 4) and F[3].shape == (2, 3)
+    with pytest.raises(ValueError, match="d_h"):
+        opt.factored_balanced(task, 1)
     A, B = opt.factored_product(*F)
     assert float(task.excess_risk(A, B)) < 1e-20
     w = opt.factored_imbalance(*F, task)
