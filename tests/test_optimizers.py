@@ -295,3 +295,18 @@ def test_optimizers_factored_sweep_quick():
     # the recorded run is reproduced by run_factored at its step size
     h = ex.run_factored(s.specs[0], sel[0]["lr"])
     assert h.excess[-1] == sel[0]["final_excess"]
+
+
+def test_gradient_flow_conserves_the_query_key_gap():
+    # at a small step: the whitened gap for the structured map, the Euclidean one for plain GD
+    task = _task(cond=100.0, seed=2)
+    S = task.Sigma
+    for method, W in (("structured", S), ("gd", torch.eye(4, dtype=F64))):
+        F0 = opt.factored_start(task, 4, seed=6)
+        h = opt.train_factored(task, method=method, d_h=4, steps=100, lr=1e-3, seed=6)
+        F1 = h.config["factors"]
+        gap = lambda F: F[0] @ W @ F[0].T - F[1] @ W @ F[1].T  # noqa: E731
+        ov = lambda F: F[3].T @ F[3] - F[2] @ W @ F[2].T  # noqa: E731
+        assert h.excess[-1] < 0.9 * h.excess[0], method
+        for f in (gap, ov):
+            assert float(torch.linalg.norm(f(F1) - f(F0)) / torch.linalg.norm(f(F0))) < 1e-3, method
