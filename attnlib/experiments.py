@@ -1027,6 +1027,90 @@ SWEEPS["optimizers_factored"] = dict(
 )
 
 
+# ``optimizers_prompts``: regime (ii) (context length OPT_PROMPT_N, OPT_PROMPT_BATCH fresh prompts every step,
+# attnlib.optimizers.train_prompts) for five of the methods, from the start near the manifold, OPT_PROMPT_STEPS
+# steps; the step size is selected by the loss of the finite layer on OPT_PROMPT_HELDOUT fresh prompts that no run
+# trains on (the same prompts for every step size: a criterion that cannot reward overfitting), and the selected run
+# is evaluated on OPT_PROMPT_HELDOUT other fresh prompts. ``train_minus_bayes``: the mean training loss of the last
+# OPT_PROMPT_TAIL steps minus the Bayes risk; ``below_bayes``: the share of those steps whose loss was below it.
+OPT_PROMPT_METHODS = ("structured", "gd", "adam", "shampoo", "muon_decay")
+OPT_PROMPT_N = 64
+OPT_PROMPT_BATCH = 8
+OPT_PROMPT_STEPS = 200
+OPT_PROMPT_HELDOUT = 64
+OPT_PROMPT_TAIL = 50
+
+
+def _run_optimizers_prompts(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    n, steps = int(spec["n"]), int(spec["steps"])
+    start = optimizer_start(task, "near", spec["seed"])
+    train_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:train")
+    select_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:select")
+    eval_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:evaluate")
+
+    def run(lr, on_divergence="stop"):
+        return opt.train_prompts(
+            task, method=OPT_METHODS[spec["label"]][0], n=n, prompts=OPT_PROMPT_BATCH, steps=steps, lr=float(lr),
+            init=start, seed=train_seed, on_divergence=on_divergence,
+        )  # fmt: skip
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=select_seed)
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            h = res["best"]
+            tail = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
+            row.update(
+                train_minus_bayes=float(tail.mean()),
+                below_bayes=float(np.mean(tail < 0)),
+                excess=float(h.excess[-1]),
+                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=eval_seed)
+                - task.bayes_risk,
+                imbalance=opt.imbalance(h.A, h.B, task),
+                nu=opt.softmax_scale(h.A, h.B, task),
+            )
+        rows.append(row)
+    return rows
+
+
+def _optimizer_prompt_specs(labels, conds, seeds, n=OPT_PROMPT_N, steps=OPT_PROMPT_STEPS) -> List[dict]:
+    return [
+        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
+        for lab in labels
+        for c in conds
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_prompts"] = dict(
+    func=_run_optimizers_prompts,
+    spec_columns=("label", "cond", "n", "seed", "steps"),
+    columns=(
+        "lr",
+        "selection_loss",
+        "diverged",
+        "selected",
+        "position",
+        "train_minus_bayes",
+        "below_bayes",
+        "excess",
+        "heldout",
+        "imbalance",
+        "nu",
+    ),  # fmt: skip
+    full=lambda: _optimizer_prompt_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1)),
+    quick=lambda: _optimizer_prompt_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

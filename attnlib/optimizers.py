@@ -568,3 +568,59 @@ def measure_factored(h: History, task: Task) -> Dict[str, float]:
     out["nu"] = softmax_scale(h.A, h.B, task)
     out["nu_over_s1"] = out["nu"] / float(task.svd[1][0])
     return out
+
+
+# ----------------------------------------------------------------------------- regime (ii): fresh prompts
+
+
+def train_prompts(
+    task: Task,
+    *,
+    method: str,
+    n: int,
+    prompts: int,
+    steps: int,
+    lr: float,
+    init,
+    seed: int = 0,
+    record_every: int = 1,
+    on_divergence: str = "stop",
+) -> History:
+    r"""Train ``(A, B)`` on the regime-(ii) objective ``L_n`` with any registered method, through the one loop.
+
+    Every update draws ``prompts`` fresh prompts of ``n`` tokens (:class:`attnlib.prompts.PromptObjective`, control
+    variate on, its generator seeded with ``seed``); the step rule is the method's (``"structured"``: the
+    ``Sigma^{-1}`` preconditioner and the balancing renormalization with the true ``Sigma``, which infinitely many
+    prompts reveal; no regularizer). ``History.loss`` is the training loss (the estimate of ``L_n`` on that step's
+    prompts), ``excess`` the population excess of the limit map.
+    """
+    from .prompts import PromptObjective
+    from .train import Objective, _execute, _resolve_flags
+
+    spec, _, precondition, renormalize = _resolve_flags(method, False, None, None)
+    n, prompts = check_positive_int(n, "n"), check_positive_int(prompts, "prompts")
+    steps = check_positive_int(steps, "steps")
+    lr = check_nonneg_float(lr, "lr", positive=True)
+    A = init[0].to(task.Sigma)
+    B = init[1].to(task.Sigma)
+    loss = PromptObjective(task, n, prompts, torch.Generator().manual_seed(int(seed)))
+    objective = Objective(loss, geometry=task)
+    config = dict(method=method, n=n, prompts=prompts, steps=steps, lr=lr, seed=int(seed), objective="L_n")
+    return _execute(
+        method,
+        spec,
+        objective,
+        A,
+        B,
+        lr=lr,
+        steps=steps,
+        precondition=precondition,
+        renormalize=renormalize,
+        batch_size=None,
+        seed=seed,
+        task=task,
+        record_every=record_every,
+        progress=False,
+        on_divergence=on_divergence,
+        config=config,
+    )
