@@ -310,3 +310,33 @@ def test_gradient_flow_conserves_the_query_key_gap():
         assert h.excess[-1] < 0.9 * h.excess[0], method
         for f in (gap, ov):
             assert float(torch.linalg.norm(f(F1) - f(F0)) / torch.linalg.norm(f(F0))) < 1e-3, method
+
+
+# ----------------------------------------------------------------------------- regime (ii)
+
+
+def test_train_prompts_is_seeded_and_the_structured_method_stays_balanced():
+    task = _task(cond=10.0)
+    init = ex.optimizer_start(task, "near", 0)
+    h1 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h2 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h3 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=4)
+    assert h1.loss == h2.loss and h1.loss != h3.loss
+    assert opt.imbalance(h1.A, h1.B, task) < 1e-8  # the balancing renormalization, with the true Sigma
+    assert h1.excess[-1] < h1.excess[0]
+    h = opt.train_prompts(task, method="adam", n=16, prompts=4, steps=20, lr=0.01, init=init, seed=3)
+    assert not h.diverged and opt.imbalance(h.A, h.B, task) > 1e-6  # no renormalization: it leaves the balance
+    with pytest.raises(ValueError, match="method"):
+        opt.train_prompts(task, method="lbfgs", n=16, prompts=4, steps=2, lr=0.1, init=init)
+    with pytest.raises(ValueError, match="prompts"):
+        opt.train_prompts(task, method="gd", n=16, prompts=0, steps=2, lr=0.1, init=init)
+
+
+def test_optimizers_prompts_sweep_quick_selects_on_fresh_prompts():
+    s = ex.sweep("optimizers_prompts", quick=True)
+    rows = s.func(s.specs[0])
+    sel = [r for r in rows if r["selected"]]
+    assert len(sel) == 1 and {r["position"] for r in rows} == {"interior"}
+    assert set(sel[0]) <= set(s.columns)
+    assert min(r["selection_loss"] for r in rows if not r["diverged"]) == sel[0]["selection_loss"]
+    assert 0.0 <= sel[0]["below_bayes"] <= 1.0 and np.isfinite(sel[0]["heldout"])
