@@ -592,7 +592,9 @@ def train_prompts(
     variate on, its generator seeded with ``seed``); the step rule is the method's (``"structured"``: the
     ``Sigma^{-1}`` preconditioner and the balancing renormalization with the true ``Sigma``, which infinitely many
     prompts reveal; no regularizer). ``History.loss`` is the training loss (the estimate of ``L_n`` on that step's
-    prompts), ``excess`` the population excess of the limit map.
+    prompts), ``excess`` the population excess of the limit map. A run whose parameters blow up so far that the
+    moment kernel's softmax sums underflow (``ZeroDivisionError``) counts as diverged (``on_divergence="stop"``:
+    an empty History with ``diverged`` set; ``"raise"``: ``FloatingPointError``).
     """
     from .prompts import PromptObjective
     from .train import Objective, _execute, _resolve_flags
@@ -606,6 +608,18 @@ def train_prompts(
     loss = PromptObjective(task, n, prompts, torch.Generator().manual_seed(int(seed)))
     objective = Objective(loss, geometry=task)
     config = dict(method=method, n=n, prompts=prompts, steps=steps, lr=lr, seed=int(seed), objective="L_n")
+    try:
+        return _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed,
+                            task, record_every, on_divergence, config)  # fmt: skip
+    except ZeroDivisionError as exc:  # the moment kernel's softmax sum underflows once the parameters blow up
+        if on_divergence == "raise":
+            raise FloatingPointError(f"{method} diverged on L_n (lr = {lr:g}): {exc}") from exc
+        h = History(method=method, config=config, A=A, B=B, diverged=True)
+        return h
+
+
+def _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed, task,
+                 record_every, on_divergence, config):  # fmt: skip
     return _execute(
         method,
         spec,

@@ -340,3 +340,16 @@ def test_optimizers_prompts_sweep_quick_selects_on_fresh_prompts():
     assert set(sel[0]) <= set(s.columns)
     assert min(r["selection_loss"] for r in rows if not r["diverged"]) == sel[0]["selection_loss"]
     assert 0.0 <= sel[0]["below_bayes"] <= 1.0 and np.isfinite(sel[0]["heldout"])
+
+
+def test_train_prompts_counts_a_kernel_underflow_as_divergence(monkeypatch):
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(opt, "_run_prompts", boom)
+    task = _task()
+    init = ex.optimizer_start(task, "near", 0)
+    h = opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init)
+    assert h.diverged and len(h.steps) == 0
+    with pytest.raises(FloatingPointError, match="diverged"):
+        opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init, on_divergence="raise")
