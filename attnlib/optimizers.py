@@ -28,6 +28,12 @@ learned preconditioner's log-slope over the eigenvectors of ``Sigma``: the struc
 softmax scale ``nu`` (:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context
 length ``n`` (:func:`attnlib.finite_n.heldout_loss`). :func:`grid_search` selects a step size from
 a log grid and extends the grid until the selected step is interior.
+
+The parameterization practitioners train: :func:`train_factored` runs the four factors
+``B = W_Q^T W_K``, ``A = W_O W_V`` (head dimension ``d_h``) on the population objective through a thin loop over
+``torch.optim`` (:func:`factored_start`, :func:`factored_balanced`, :func:`factored_imbalance`,
+:func:`measure_factored`). Regime (ii): :func:`train_prompts` runs any registered method on ``L_n`` with fresh
+prompts at every step.
 """
 
 from __future__ import annotations
