@@ -930,6 +930,187 @@ SWEEPS["optimizers_sequence"] = dict(
 )
 
 
+# ``optimizers_factored``: the four-factor parameterization (attnlib.optimizers.train_factored: B = W_Q^T W_K,
+# A = W_O W_V, head dimension d_h = d or d_h = rank(T)) on the population objective, from a random start
+# (attnlib.optimizers.factored_start, scale 0.5 in the whitened coordinates, the same for every cond(Sigma)),
+# OPT_FACTOR_STEPS steps, step size from a half-decade log grid extended until interior (selection: mean log10
+# excess, attnlib.optimizers.log_excess_score). One row per step size; ``selected`` marks the chosen one.
+OPT_FACTOR_GRIDS: Dict[str, tuple] = {
+    "structured": (-1.5, 0.0),
+    "gd": (-1.5, 0.0),
+    "adam": (-3.0, -1.5),
+    "shampoo": (-2.0, -0.5),
+    "muon_decay": (-2.5, -1.0),
+}
+OPT_FACTOR_CONDS = (1.0, 100.0, 1e4)
+OPT_FACTOR_STEPS = 600
+
+
+def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
+    """One four-factor run of the ``optimizers_factored`` sweep at step ``lr`` (a History)."""
+    from .optimizers import train_factored
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    return train_factored(
+        task,
+        method=spec["label"],
+        d_h=int(spec["d_h"]),
+        steps=int(spec["steps"]),
+        lr=float(lr),
+        seed=derive_seed(int(spec["seed"]), "optimizers-factored:start"),
+        on_divergence=on_divergence,
+    )
+
+
+def _run_optimizers_factored(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    lo, hi = OPT_FACTOR_GRIDS[spec["label"]]
+    grid = [float(10.0**e) for e in np.arange(lo, hi + 1e-9, 0.5)]
+    res = opt.grid_search(
+        lambda lr, on_divergence="stop": run_factored(spec, lr, on_divergence=on_divergence), grid, extend=12
+    )
+    rows = []
+    for lr, score in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if score is not None and lr == res["lr"]:
+            row.update(opt.measure_factored(res["best"], task))
+        rows.append(row)
+    return rows
+
+
+def _factored_specs(labels, conds, d_hs, seeds, steps=OPT_FACTOR_STEPS) -> List[dict]:
+    return [
+        dict(
+            run=f"{lab}:cond={c:g}:d_h={dh}:seed={s}",
+            label=lab,
+            cond=float(c),
+            d_h=int(dh),
+            seed=int(s),
+            steps=int(steps),
+            cost=float(steps) * (2.5 if lab == "shampoo" else 1.0),
+        )
+        for lab in labels
+        for c in conds
+        for dh in d_hs
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_factored"] = dict(
+    func=_run_optimizers_factored,
+    spec_columns=("label", "cond", "d_h", "seed", "steps"),
+    columns=(
+        "lr",
+        "score",
+        "diverged",
+        "selected",
+        "position",
+        "steps_1e-6",
+        "steps_1e-10",
+        "max_after_1e-6",
+        "max_after_1e-10",
+        "final_excess",
+        "imb_qk",
+        "imb_ov",
+        "imb_qk_euclid",
+        "imb_ov_euclid",
+        "imbalance",
+        "nu",
+        "nu_over_s1",
+    ),  # fmt: skip
+    # d_h = d = 4 and d_h = rank(T) = k = 2 (the task of optimizer_task)
+    full=lambda: _factored_specs(tuple(OPT_FACTOR_GRIDS), OPT_FACTOR_CONDS, (4, 2), (0, 1)),
+    quick=lambda: _factored_specs(("structured", "adam"), (100.0,), (2,), (0,), steps=20),
+)
+
+
+# ``optimizers_prompts``: regime (ii) (context length OPT_PROMPT_N, OPT_PROMPT_BATCH fresh prompts every step,
+# attnlib.optimizers.train_prompts) for five of the methods, from the start near the manifold, OPT_PROMPT_STEPS
+# steps; the step size is selected by the loss of the finite layer on OPT_PROMPT_HELDOUT fresh prompts that no run
+# trains on (the same prompts for every step size: a criterion that cannot reward overfitting), and the selected run
+# is evaluated on OPT_PROMPT_HELDOUT other fresh prompts. ``train_minus_bayes``: the mean training loss of the last
+# OPT_PROMPT_TAIL steps minus the Bayes risk; ``below_bayes``: the share of those steps whose loss was below it.
+OPT_PROMPT_METHODS = ("structured", "gd", "adam", "shampoo", "muon_decay")
+OPT_PROMPT_N = 64
+OPT_PROMPT_BATCH = 8
+OPT_PROMPT_STEPS = 200
+OPT_PROMPT_HELDOUT = 64
+OPT_PROMPT_TAIL = 50
+
+
+def _run_optimizers_prompts(spec: dict) -> List[dict]:
+    from . import optimizers as opt
+
+    task = optimizer_task(spec["cond"], spec["seed"])
+    n, steps = int(spec["n"]), int(spec["steps"])
+    start = optimizer_start(task, "near", spec["seed"])
+    train_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:train")
+    select_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:select")
+    eval_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:evaluate")
+
+    def run(lr, on_divergence="stop"):
+        return opt.train_prompts(
+            task, method=OPT_METHODS[spec["label"]][0], n=n, prompts=OPT_PROMPT_BATCH, steps=steps, lr=float(lr),
+            init=start, seed=train_seed, on_divergence=on_divergence,
+        )  # fmt: skip
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=select_seed)
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            h = res["best"]
+            tail = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
+            row.update(
+                train_minus_bayes=float(tail.mean()),
+                below_bayes=float(np.mean(tail < 0)),
+                excess=float(h.excess[-1]),
+                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=eval_seed)
+                - task.bayes_risk,
+                imbalance=opt.imbalance(h.A, h.B, task),
+                nu=opt.softmax_scale(h.A, h.B, task),
+            )
+        rows.append(row)
+    return rows
+
+
+def _optimizer_prompt_specs(labels, conds, seeds, n=OPT_PROMPT_N, steps=OPT_PROMPT_STEPS) -> List[dict]:
+    return [
+        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
+        for lab in labels
+        for c in conds
+        for s in seeds
+    ]
+
+
+SWEEPS["optimizers_prompts"] = dict(
+    func=_run_optimizers_prompts,
+    spec_columns=("label", "cond", "n", "seed", "steps"),
+    columns=(
+        "lr",
+        "selection_loss",
+        "diverged",
+        "selected",
+        "position",
+        "train_minus_bayes",
+        "below_bayes",
+        "excess",
+        "heldout",
+        "imbalance",
+        "nu",
+    ),  # fmt: skip
+    full=lambda: _optimizer_prompt_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1)),
+    quick=lambda: _optimizer_prompt_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -28,6 +28,12 @@ learned preconditioner's log-slope over the eigenvectors of ``Sigma``: the struc
 softmax scale ``nu`` (:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context
 length ``n`` (:func:`attnlib.finite_n.heldout_loss`). :func:`grid_search` selects a step size from
 a log grid and extends the grid until the selected step is interior.
+
+The parameterization practitioners train: :func:`train_factored` runs the four factors
+``B = W_Q^T W_K``, ``A = W_O W_V`` (head dimension ``d_h``) on the population objective through a thin loop over
+``torch.optim`` (:func:`factored_start`, :func:`factored_balanced`, :func:`factored_imbalance`,
+:func:`measure_factored`). Regime (ii): :func:`train_prompts` runs any registered method on ``L_n`` with fresh
+prompts at every step.
 """
 
 from __future__ import annotations
@@ -396,3 +402,245 @@ def train_population_step(task: Task, *, method: str, **kwargs):
     finally:
         METHODS[method] = spec
     return h, box[-1]
+
+
+# ----------------------------------------------------------------------------- four factors (query, key, value, output)
+#
+# The parameterization practitioners train: ``B = W_Q^T W_K`` with ``W_Q, W_K`` (d_h x d) and ``A = W_O W_V`` with
+# ``W_V`` (d_h x d), ``W_O`` (k x d_h). The objective is the book's closed-form population loss composed with the
+# maps (autograd gives the gradient). In the whitened coordinates ``Wt = W Sigma^{1/2}`` (for Q, K, V; ``W_O`` is
+# unchanged) it is ``1/2 ||W_O Wt_V Wt_K^T Wt_Q - T||_F^2 + L*``: a four-factor factorization of ``T`` that does not
+# see ``Sigma``. Gradient descent in those coordinates, mapped back, is gradient descent with the gradients of
+# ``W_Q, W_K, W_V`` multiplied by ``Sigma^{-1}`` on the right (method ``"structured"`` here: the book's
+# preconditioner in these coordinates; no spectral start, regularizer or renormalization).
+
+#: Methods of the four-factor runs (``"muon_decay"``: Muon with the step ``lr * MUON_DECAY**t``).
+FACTOR_METHODS = ("structured", "gd", "adam", "shampoo", "muon_decay")
+
+
+def factored_product(WQ, WK, WV, WO) -> tuple:
+    """``(A, B) = (W_O W_V, W_Q^T W_K)``: the layer's two matrices from the four factors."""
+    return WO @ WV, WQ.T @ WK
+
+
+def factored_start(task: Task, d_h: int, *, scale: float = 0.5, seed: int = 0) -> tuple:
+    r"""A random start ``(W_Q, W_K, W_V, W_O)`` with head dimension ``d_h`` (value dimension ``d_h`` too).
+
+    Entries of the whitened factors ``Wt_Q, Wt_K, Wt_V`` and of ``W_O`` are ``scale`` times standard normal
+    (seeded); ``W = Wt Sigma^{-1/2}``. The start in the whitened coordinates is the same for every ``Sigma`` with the
+    same seed.
+    """
+    d_h = check_positive_int(d_h, "d_h")
+    scale = check_nonneg_float(scale, "scale", positive=True)
+    g = torch.Generator().manual_seed(int(seed))
+    f64 = torch.float64
+    d, k = task.d, task.k
+    Wt = [scale * torch.randn(d_h, d, generator=g, dtype=f64) for _ in range(3)]
+    WO = scale * torch.randn(k, d_h, generator=g, dtype=f64)
+    ev, Q = torch.linalg.eigh(task.Sigma.to("cpu", f64))
+    inv_half = (Q * ev.rsqrt()) @ Q.T
+    out = [W @ inv_half for W in Wt] + [WO]
+    return tuple(W.to(task.device, task.dtype) for W in out)
+
+
+def factored_balanced(task: Task, d_h: int, *, seed: int = 0) -> tuple:
+    r"""A balanced minimum ``(W_Q, W_K, W_V, W_O)`` of the four-factor problem (head dimension ``d_h >= rank(T)``).
+
+    With ``T = U diag(s) V^T`` (thin, rank ``r``) and ``R`` (d x r) orthonormal (seeded): ``W_O = U s^{1/4}``,
+    ``Wt_V = Wt_K = s^{1/4} R^T``, ``Wt_Q = s^{1/4} V^T`` (rows beyond ``r`` zero), ``W = Wt Sigma^{-1/2}``. Then
+    ``At C = T`` (zero excess), query/key and output/value balanced in the whitened coordinates, and ``nu = s_1(T)``.
+    """
+    d_h = check_positive_int(d_h, "d_h")
+    U, s, V = task.svd
+    r = int(s.numel())
+    if d_h < r:
+        raise ValueError(f"d_h: expected a head dimension >= rank(T) = {r}, got {d_h}")
+    g = torch.Generator().manual_seed(int(seed))
+    R, _ = torch.linalg.qr(torch.randn(task.d, r, generator=g, dtype=torch.float64))
+    R = R.to(task.Sigma)
+    q = torch.zeros(d_h, r, dtype=task.dtype, device=task.device)
+    q[:r] = torch.diag(s**0.25)
+    ev, Q = torch.linalg.eigh(task.Sigma)
+    inv_half = (Q * ev.rsqrt()) @ Q.T
+    return (q @ V.T @ inv_half, q @ R.T @ inv_half, q @ R.T @ inv_half, U @ q.T)
+
+
+def factored_imbalance(WQ, WK, WV, WO, task: Task, *, whitened: bool = True) -> Dict[str, float]:
+    r"""Imbalance of query vs key and of output vs value, relative to the nuclear norm of the product.
+
+    ``qk = ||Wt_Q Wt_Q^T - Wt_K Wt_K^T||_F / ||C||_*`` and ``ov = ||W_O^T W_O - Wt_V Wt_V^T||_F / ||At||_*`` with
+    ``Wt = W Sigma^{1/2}`` (``whitened=True``: the balance of the four-factor factorization of ``T``) or
+    ``Wt = W`` (``whitened=False``: the Euclidean balance that plain gradient flow conserves). Both are 0 exactly
+    where the two factors of the product are balanced.
+    """
+    S = as_covariance(task)
+    if whitened:
+        ev, Q = torch.linalg.eigh(S)
+        half = (Q * ev.sqrt()) @ Q.T
+        WQ, WK, WV = WQ @ half, WK @ half, WV @ half
+    C, At = WK.T @ WQ, WO @ WV
+
+    def rel(X, Y, P):
+        return float(torch.linalg.norm(X - Y)) / max(float(torch.linalg.matrix_norm(P, ord="nuc")), 1e-300)
+
+    return dict(qk=rel(WQ @ WQ.T, WK @ WK.T, C), ov=rel(WO.T @ WO, WV @ WV.T, At))
+
+
+def train_factored(
+    task: Task,
+    *,
+    method: str,
+    d_h: int,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    scale: float = 0.5,
+    on_divergence: str = "stop",
+) -> History:
+    r"""Train the four factors on the population objective with one of :data:`FACTOR_METHODS` (a loop over torch.optim).
+
+    Every step: the excess ``task.excess_risk(W_O W_V, W_Q^T W_K)``, its gradient by autograd, one optimizer
+    step. ``"gd"``: ``torch.optim.SGD``; ``"structured"``: the same with the gradients of ``W_Q, W_K, W_V``
+    multiplied by ``Sigma^{-1}`` on the right; ``"adam"``: ``torch.optim.Adam``; ``"shampoo"``, ``"muon_decay"``: as
+    in :data:`OPTIMIZERS`. Returns a :class:`~attnlib.train.History` (``excess`` and ``loss`` at steps 0..steps,
+    ``A``, ``B`` the final product, ``config["factors"]`` the final ``(W_Q, W_K, W_V, W_O)``). A non-finite excess or
+    one above ``1e6`` times the first raises ``FloatingPointError`` (``on_divergence="raise"``) or stops the run with
+    ``diverged`` set (``"stop"``).
+    """
+    if method not in FACTOR_METHODS:
+        raise ValueError(f"method: expected one of {FACTOR_METHODS}, got {method!r}")
+    if on_divergence not in ("raise", "stop"):
+        raise ValueError(f"on_divergence: expected 'raise' or 'stop', got {on_divergence!r}")
+    steps = check_positive_int(steps, "steps")
+    lr = check_nonneg_float(lr, "lr", positive=True)
+    params = [W.clone().requires_grad_(True) for W in factored_start(task, d_h, scale=scale, seed=seed)]
+    if method in ("gd", "structured"):
+        o = torch.optim.SGD(params, lr=lr)
+    elif method == "adam":
+        o = torch.optim.Adam(params, lr=lr)
+    else:
+        o = make_optimizer(method, params, lr)
+    S_inv = torch.linalg.inv(as_covariance(task)) if method == "structured" else None
+    h = History(method=f"factored:{method}", config=dict(d_h=int(d_h), lr=lr, seed=int(seed), scale=scale))
+    last = [W.detach().clone() for W in params]
+    import time
+
+    t0 = time.perf_counter()
+    for t in range(steps + 1):
+        o.zero_grad()
+        e = task.excess_risk(*factored_product(*params))
+        ev = float(e.detach())
+        if not math.isfinite(ev) or (h.excess and ev > 1e6 * max(h.excess[0], 1e-300)):
+            if on_divergence == "raise":
+                raise FloatingPointError(f"factored {method} diverged at step {t} (lr = {lr:g})")
+            h.diverged = True
+            break
+        last = [W.detach().clone() for W in params]
+        h.steps.append(t)
+        h.excess.append(ev)
+        h.loss.append(ev + task.bayes_risk)
+        h.time.append(time.perf_counter() - t0)
+        if t == steps:
+            break
+        e.backward()
+        if S_inv is not None:
+            for W in params[:3]:
+                W.grad = W.grad @ S_inv
+        if method == "muon_decay":
+            for group in o.param_groups:
+                group["lr"] = lr * MUON_DECAY**t
+        o.step()
+    h.A, h.B = (X.detach() for X in factored_product(*last))
+    h.config["factors"] = tuple(last)
+    return h
+
+
+def measure_factored(h: History, task: Task) -> Dict[str, float]:
+    """What a four-factor run ended at: steps to 1e-6 / 1e-10, largest excess after, final excess, the imbalances
+    (:func:`factored_imbalance`, whitened and Euclidean; :func:`imbalance` of the product), ``nu`` and ``nu / s_1(T)``
+    (1 at a balanced minimum of the product)."""
+    nan = float("nan")
+    out = {}
+    for tol, lab in ((1e-6, "1e-6"), (1e-10, "1e-10")):
+        s = steps_to(h, tol)
+        out[f"steps_{lab}"] = nan if s is None else float(s)
+        m = max_after(h, tol)
+        out[f"max_after_{lab}"] = nan if m is None else m
+    out["final_excess"] = float(h.excess[-1])
+    F = h.config["factors"]
+    w, e = factored_imbalance(*F, task), factored_imbalance(*F, task, whitened=False)
+    out.update(imb_qk=w["qk"], imb_ov=w["ov"], imb_qk_euclid=e["qk"], imb_ov_euclid=e["ov"])
+    out["imbalance"] = imbalance(h.A, h.B, task)
+    out["nu"] = softmax_scale(h.A, h.B, task)
+    out["nu_over_s1"] = out["nu"] / float(task.svd[1][0])
+    return out
+
+
+# ----------------------------------------------------------------------------- regime (ii): fresh prompts
+
+
+def train_prompts(
+    task: Task,
+    *,
+    method: str,
+    n: int,
+    prompts: int,
+    steps: int,
+    lr: float,
+    init,
+    seed: int = 0,
+    record_every: int = 1,
+    on_divergence: str = "stop",
+) -> History:
+    r"""Train ``(A, B)`` on the regime-(ii) objective ``L_n`` with any registered method, through the one loop.
+
+    Every update draws ``prompts`` fresh prompts of ``n`` tokens (:class:`attnlib.prompts.PromptObjective`, control
+    variate on, its generator seeded with ``seed``); the step rule is the method's (``"structured"``: the
+    ``Sigma^{-1}`` preconditioner and the balancing renormalization with the true ``Sigma``, which infinitely many
+    prompts reveal; no regularizer). ``History.loss`` is the training loss (the estimate of ``L_n`` on that step's
+    prompts), ``excess`` the population excess of the limit map. A run whose parameters blow up so far that the
+    moment kernel's softmax sums underflow (``ZeroDivisionError``) counts as diverged (``on_divergence="stop"``:
+    an empty History with ``diverged`` set; ``"raise"``: ``FloatingPointError``).
+    """
+    from .prompts import PromptObjective
+    from .train import Objective, _execute, _resolve_flags
+
+    spec, _, precondition, renormalize = _resolve_flags(method, False, None, None)
+    n, prompts = check_positive_int(n, "n"), check_positive_int(prompts, "prompts")
+    steps = check_positive_int(steps, "steps")
+    lr = check_nonneg_float(lr, "lr", positive=True)
+    A = init[0].to(task.Sigma)
+    B = init[1].to(task.Sigma)
+    loss = PromptObjective(task, n, prompts, torch.Generator().manual_seed(int(seed)))
+    objective = Objective(loss, geometry=task)
+    config = dict(method=method, n=n, prompts=prompts, steps=steps, lr=lr, seed=int(seed), objective="L_n")
+    try:
+        return _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed,
+                            task, record_every, on_divergence, config)  # fmt: skip
+    except ZeroDivisionError as exc:  # the moment kernel's softmax sum underflows once the parameters blow up
+        if on_divergence == "raise":
+            raise FloatingPointError(f"{method} diverged on L_n (lr = {lr:g}): {exc}") from exc
+        h = History(method=method, config=config, A=A, B=B, diverged=True)
+        return h
+
+
+def _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed, task,
+                 record_every, on_divergence, config):  # fmt: skip
+    return _execute(
+        method,
+        spec,
+        objective,
+        A,
+        B,
+        lr=lr,
+        steps=steps,
+        precondition=precondition,
+        renormalize=renormalize,
+        batch_size=None,
+        seed=seed,
+        task=task,
+        record_every=record_every,
+        progress=False,
+        on_divergence=on_divergence,
+        config=config,
+    )

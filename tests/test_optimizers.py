@@ -203,3 +203,153 @@ def test_optimizers_sequence_quick_selects_on_fresh_sequences():
     # the selection score is the loss on fresh sequences: it is what the selected row's lr scored
     assert min(r["selection_loss"] for r in rows if not r["diverged"]) == sel[0]["selection_loss"]
     assert sel[0]["heldout"] > 0 and np.isfinite(sel[0]["excess"])
+
+
+# ----------------------------------------------------------------------------- four factors
+
+
+def test_factored_gradient_is_the_chain_rule_of_the_closed_form():
+    task = _task(cond=30.0)
+    F = [W.requires_grad_(True) for W in opt.factored_start(task, 3, seed=4)]
+    WQ, WK, WV, WO = F
+    task.excess_risk(*opt.factored_product(*F)).backward()
+    gA, gB = task.population_grad(*(X.detach() for X in opt.factored_product(*F)))
+    want = (WK.detach() @ gB.T, WQ.detach() @ gB, WO.detach().T @ gA, gA @ WV.detach().T)
+    for W, g in zip(F, want):
+        assert torch.allclose(W.grad, g, rtol=1e-10, atol=1e-14)
+
+
+def test_factored_start_is_the_same_in_whitened_coordinates():
+    t1, t2 = _task(cond=1.0, seed=2), _task(cond=1e4, seed=2)
+    F1, F2 = opt.factored_start(t1, 2, seed=7), opt.factored_start(t2, 2, seed=7)
+    # W Sigma W^T = Wt Wt^T: the whitened factors' Gram matrices agree
+    for W1, W2 in zip(F1[:3], F2[:3]):
+        assert torch.allclose(W1 @ t1.Sigma @ W1.T, W2 @ t2.Sigma @ W2.T, rtol=1e-9, atol=1e-12)
+    assert torch.equal(F1[3], F2[3])
+    with pytest.raises(ValueError, match="d_h"):
+        opt.factored_start(t1, 0)
+
+
+def test_factored_imbalance_and_nu_at_a_balanced_minimum():
+    task = _task(cond=100.0, seed=3)
+    F = opt.factored_balanced(task, 3, seed=1)
+    assert F[0].shape == (3, 4) and F[3].shape == (2, 3)
+    with pytest.raises(ValueError, match="d_h"):
+        opt.factored_balanced(task, 1)
+    A, B = opt.factored_product(*F)
+    assert float(task.excess_risk(A, B)) < 1e-20
+    w = opt.factored_imbalance(*F, task)
+    assert w["qk"] < 1e-10 and w["ov"] < 1e-10
+    assert opt.imbalance(A, B, task) < 1e-10
+    assert abs(opt.softmax_scale(A, B, task) - float(task.svd[1][0])) < 1e-10
+    # the symmetry W_Q -> 2 W_Q, W_K -> W_K / 2 leaves the product and breaks the balance
+    G = (2.0 * F[0], F[1] / 2.0, F[2], F[3])
+    assert torch.allclose(opt.factored_product(*G)[1], B, atol=1e-13)
+    assert opt.factored_imbalance(*G, task)["qk"] > 0.5
+    # the Euclidean balance is a different condition when Sigma is not I
+    assert opt.factored_imbalance(*F, task, whitened=False)["qk"] > 1e-3
+
+
+def test_structured_four_factor_run_is_independent_of_cond():
+    # GD with Sigma^-1 on the right of W_Q, W_K, W_V is GD on the four-factor factorization of T
+    hs = [
+        opt.train_factored(_task(cond=c, seed=1), method="structured", d_h=2, steps=100, lr=0.3, seed=5)
+        for c in (1.0, 1e3)
+    ]
+    assert not any(h.diverged for h in hs)
+    assert np.allclose(hs[0].excess, hs[1].excess, rtol=1e-6, atol=1e-14)
+    assert hs[0].excess[-1] < 0.05 * hs[0].excess[0]
+    # at cond 1 (Sigma = I to round-off) it is plain GD
+    g = opt.train_factored(_task(cond=1.0, seed=1), method="gd", d_h=2, steps=100, lr=0.3, seed=5)
+    assert np.allclose(g.excess, hs[0].excess, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("method,lr", [("gd", 0.3), ("adam", 0.01), ("shampoo", 0.03), ("muon_decay", 0.1)])
+def test_each_optimizer_on_four_factors_decreases_the_excess(method, lr):
+    task = _task(cond=1.0)
+    h = opt.train_factored(task, method=method, d_h=4, steps=100, lr=lr, seed=1)
+    assert not h.diverged and h.excess[-1] < 0.1 * h.excess[0], (method, h.excess[0], h.excess[-1])
+    m = opt.measure_factored(h, task)
+    assert set(m) >= {"steps_1e-6", "imb_qk", "imb_ov", "imb_qk_euclid", "nu_over_s1"}
+    assert len(h.config["factors"]) == 4 and h.B.shape == (4, 4) and h.A.shape == (2, 4)
+
+
+def test_train_factored_bad_input_and_divergence():
+    task = _task()
+    with pytest.raises(ValueError, match="method"):
+        opt.train_factored(task, method="soap", d_h=2, steps=2, lr=0.1)
+    with pytest.raises(ValueError, match="on_divergence"):
+        opt.train_factored(task, method="gd", d_h=2, steps=2, lr=0.1, on_divergence="ignore")
+    h = opt.train_factored(task, method="gd", d_h=2, steps=50, lr=1e3)
+    assert h.diverged and np.all(np.isfinite(h.excess))
+    with pytest.raises(FloatingPointError):
+        opt.train_factored(task, method="gd", d_h=2, steps=50, lr=1e3, on_divergence="raise")
+
+
+def test_optimizers_factored_sweep_quick():
+    s = ex.sweep("optimizers_factored", quick=True)
+    rows = s.func(s.specs[0])
+    sel = [r for r in rows if r["selected"]]
+    assert len(sel) == 1 and {r["position"] for r in rows} == {"interior"}
+    assert set(rows[0]) <= set(s.columns) and set(sel[0]) <= set(s.columns)
+    # the recorded run is reproduced by run_factored at its step size
+    h = ex.run_factored(s.specs[0], sel[0]["lr"])
+    assert h.excess[-1] == sel[0]["final_excess"]
+
+
+def test_gradient_flow_conserves_the_query_key_gap():
+    # at a small step: the whitened gap for the structured map, the Euclidean one for plain GD
+    task = _task(cond=100.0, seed=2)
+    S = task.Sigma
+    for method, W in (("structured", S), ("gd", torch.eye(4, dtype=F64))):
+        F0 = opt.factored_start(task, 4, seed=6)
+        h = opt.train_factored(task, method=method, d_h=4, steps=100, lr=1e-3, seed=6)
+        F1 = h.config["factors"]
+        gap = lambda F: F[0] @ W @ F[0].T - F[1] @ W @ F[1].T  # noqa: E731
+        ov = lambda F: F[3].T @ F[3] - F[2] @ W @ F[2].T  # noqa: E731
+        assert h.excess[-1] < 0.9 * h.excess[0], method
+        for f in (gap, ov):
+            assert float(torch.linalg.norm(f(F1) - f(F0)) / torch.linalg.norm(f(F0))) < 1e-3, method
+
+
+# ----------------------------------------------------------------------------- regime (ii)
+
+
+def test_train_prompts_is_seeded_and_the_structured_method_stays_balanced():
+    task = _task(cond=10.0)
+    init = ex.optimizer_start(task, "near", 0)
+    h1 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h2 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h3 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=4)
+    assert h1.loss == h2.loss and h1.loss != h3.loss
+    assert opt.imbalance(h1.A, h1.B, task) < 1e-8  # the balancing renormalization, with the true Sigma
+    assert h1.excess[-1] < h1.excess[0]
+    h = opt.train_prompts(task, method="adam", n=16, prompts=4, steps=20, lr=0.01, init=init, seed=3)
+    assert not h.diverged and opt.imbalance(h.A, h.B, task) > 1e-6  # no renormalization: it leaves the balance
+    with pytest.raises(ValueError, match="method"):
+        opt.train_prompts(task, method="lbfgs", n=16, prompts=4, steps=2, lr=0.1, init=init)
+    with pytest.raises(ValueError, match="prompts"):
+        opt.train_prompts(task, method="gd", n=16, prompts=0, steps=2, lr=0.1, init=init)
+
+
+def test_optimizers_prompts_sweep_quick_selects_on_fresh_prompts():
+    s = ex.sweep("optimizers_prompts", quick=True)
+    rows = s.func(s.specs[0])
+    sel = [r for r in rows if r["selected"]]
+    assert len(sel) == 1 and {r["position"] for r in rows} == {"interior"}
+    assert set(sel[0]) <= set(s.columns)
+    assert min(r["selection_loss"] for r in rows if not r["diverged"]) == sel[0]["selection_loss"]
+    assert 0.0 <= sel[0]["below_bayes"] <= 1.0 and np.isfinite(sel[0]["heldout"])
+
+
+def test_train_prompts_counts_a_kernel_underflow_as_divergence(monkeypatch):
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(opt, "_run_prompts", boom)
+    task = _task()
+    init = ex.optimizer_start(task, "near", 0)
+    h = opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init)
+    assert h.diverged and len(h.steps) == 0
+    with pytest.raises(FloatingPointError, match="diverged"):
+        opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init, on_divergence="raise")
