@@ -75,7 +75,7 @@ __all__ = [
     "kernel_loss",
 ]
 
-#: engine names: ``"auto"`` (the kernel on CPU where it applies, else SDPA), ``"kernel"``, ``"sdpa"``
+#: The engine names. ``"auto"`` is the kernel on CPU where it applies, else SDPA; ``"kernel"``; ``"sdpa"``.
 ENGINES = ("auto", "kernel", "sdpa")
 #: the largest token dimension the kernel is generated for
 MAX_D = 8
