@@ -66,6 +66,13 @@ __all__ = [
     "grid_search",
     "measure",
     "train_population_step",
+    "factored_product",
+    "factored_start",
+    "factored_balanced",
+    "factored_imbalance",
+    "train_factored",
+    "measure_factored",
+    "train_prompts",
 ]
 
 #: Per-step decay factor of ``"muon_decay"``'s step size.
