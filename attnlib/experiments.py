@@ -416,33 +416,37 @@ def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: st
     return Es
 
 
-def _law_start(task: Task, spec: dict, on, seed: int):
-    """The perturbed chain's start: ``on`` moved to P-distance ``radius`` in a random direction, or (radius
-    empty, ``start=spectral`` in the run's name) the spectral initialization from the chain's first prompts,
-    the ``prompts`` prompts of its first step, pooled (``prompts * n`` tokens)."""
-    from .geometry import perturb
+def law_starts(spec: dict):
+    """The two starts of a ``law`` run: ``(on, start)``, the balanced minimum ``W = V`` and the perturbed
+    chain's start, ``on`` moved to P-distance ``radius`` in a random direction or, with ``radius`` empty
+    (``start=spectral`` in the run's name), the spectral initialization from the chain's first prompts:
+    the ``prompts`` prompts of its first step, pooled (``prompts * n`` tokens). Both before the
+    renormalization."""
+    from .geometry import manifold_point, perturb
     from .prompts import sample_prompts
     from .rng import make_generator
 
-    if spec["radius"] == "" or (isinstance(spec["radius"], float) and math.isnan(spec["radius"])):
-        X, Y = sample_prompts(task, int(spec["n"]), int(spec["prompts"]), generator=make_generator(seed))
-        return spectral_init(X.reshape(-1, task.d), Y.reshape(-1, task.k))
-    return perturb(*on, task, float(spec["radius"]), seed=derive_seed(int(spec["pair"]), "regime-ii-law:direction"))
+    task = make_task(0.0)
+    n, pair = int(spec["n"]), int(spec["pair"])
+    on = manifold_point(task, task.svd[2])
+    radius = spec["radius"]
+    if radius == "" or (isinstance(radius, float) and math.isnan(radius)):
+        gen = make_generator(derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}"))  # the chains' stream
+        X, Y = sample_prompts(task, n, int(spec["prompts"]), generator=gen)
+        return on, spectral_init(X.reshape(-1, task.d), Y.reshape(-1, task.k))
+    return on, perturb(*on, task, float(radius), seed=derive_seed(pair, "regime-ii-law:direction"))
 
 
 def _run_law(spec: dict) -> List[dict]:
     """A pair of chains on the same prompts (common random numbers): one from the minimum set, one
     from P-distance ``radius`` (before the renormalization), or, with ``radius`` empty, from the spectral
-    initialization on the first step's prompts (``_law_start``). Rows: the population excess of both
+    initialization on the first step's prompts (:func:`law_starts`). Rows: the population excess of both
     iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
-    from .geometry import manifold_point
-
     task = make_task(0.0)
     n, pair = int(spec["n"]), int(spec["pair"])
     kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
     seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
-    on = manifold_point(task, task.svd[2])
-    pert = _law_start(task, spec, on, seed)
+    on, pert = law_starts(spec)
     args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
     E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
     S_half = task.Sigma_sqrt
