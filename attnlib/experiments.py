@@ -292,6 +292,7 @@ def _run_chain(spec: dict) -> List[dict]:
         mode=spec["mode"],
         kappa=kappa,
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
+        attention_dtype=spec.get("attention_dtype") or None,
     )
     row = {f"r{i}": float(v) for i, v in enumerate(res.R.ravel())}
     row.update(
@@ -304,7 +305,9 @@ def _run_chain(spec: dict) -> List[dict]:
     return [row]
 
 
-def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5) -> List[dict]:
+def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_dtype=None) -> List[dict]:
+    """Independent chains per scale and ``n``; ``attention_dtype`` (e.g. ``"float32"``), when given, is
+    the attention part's dtype (:class:`attnlib.prompts.PromptObjective`), kept in the spec."""
     out = []
     for label, mode, kappa in scales:
         for n in ns:
@@ -323,6 +326,7 @@ def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5) -> List[dic
                         prompts=P,
                         lr=float(lr),
                         cost=float(P) * n * n * steps,
+                        **({} if attention_dtype is None else dict(attention_dtype=str(attention_dtype))),
                     )
                 )
     return out
@@ -412,18 +416,37 @@ def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: st
     return Es
 
 
+def law_starts(spec: dict):
+    """The two starts of a ``law`` run: ``(on, start)``, the balanced minimum ``W = V`` and the perturbed
+    chain's start, ``on`` moved to P-distance ``radius`` in a random direction or, with ``radius`` empty
+    (``start=spectral`` in the run's name), the spectral initialization from the chain's first prompts:
+    the ``prompts`` prompts of its first step, pooled (``prompts * n`` tokens). Both before the
+    renormalization."""
+    from .geometry import manifold_point, perturb
+    from .prompts import sample_prompts
+    from .rng import make_generator
+
+    task = make_task(0.0)
+    n, pair = int(spec["n"]), int(spec["pair"])
+    on = manifold_point(task, task.svd[2])
+    radius = spec["radius"]
+    if radius == "" or (isinstance(radius, float) and math.isnan(radius)):
+        gen = make_generator(derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}"))  # the chains' stream
+        X, Y = sample_prompts(task, n, int(spec["prompts"]), generator=gen)
+        return on, spectral_init(X.reshape(-1, task.d), Y.reshape(-1, task.k))
+    return on, perturb(*on, task, float(radius), seed=derive_seed(pair, "regime-ii-law:direction"))
+
+
 def _run_law(spec: dict) -> List[dict]:
     """A pair of chains on the same prompts (common random numbers): one from the minimum set, one
-    from P-distance ``radius`` (before the renormalization). Rows: the population excess of both
+    from P-distance ``radius`` (before the renormalization), or, with ``radius`` empty, from the spectral
+    initialization on the first step's prompts (:func:`law_starts`). Rows: the population excess of both
     iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
-    from .geometry import manifold_point, perturb
-
     task = make_task(0.0)
     n, pair = int(spec["n"]), int(spec["pair"])
     kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
     seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
-    on = manifold_point(task, task.svd[2])
-    pert = perturb(*on, task, float(spec["radius"]), seed=derive_seed(pair, "regime-ii-law:direction"))
+    on, pert = law_starts(spec)
     args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
     E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
     S_half = task.Sigma_sqrt
@@ -442,23 +465,28 @@ def _run_law(spec: dict) -> List[dict]:
     return rows
 
 
-def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5) -> List[dict]:
+def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
+    """Pairs of chains per ``n`` and start: P-distance ``radius`` for each of ``radii``, then (``spectral``)
+    the spectral initialization from the first prompts (``radius`` empty, ``start=spectral`` in the name)."""
+    starts = [float(r) for r in radii] + (["spectral"] if spectral else [])
     return [
         dict(
-            run=f"{label}:n={n}:radius={radius}:pair={p}",
+            run=f"{label}:n={n}:radius={radius}:pair={p}"
+            if radius != "spectral"
+            else f"{label}:n={n}:start=spectral:pair={p}",
             label=label,
             mode=mode,
             kappa=kappa if kappa is not None else "",
             n=int(n),
             pair=int(p),
-            radius=float(radius),
+            radius=radius if radius != "spectral" else "",
             steps=int(steps),
             prompts=prompts_per_step(n),
             lr=float(lr),
             cost=2.0 * prompts_per_step(n) * n * n * steps,
         )
         for n in ns
-        for radius in radii
+        for radius in starts
         for p in range(pairs)
     ]
 
@@ -468,8 +496,18 @@ def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5
 BEST_SCALE = (("cap0.145", "cap", 0.145),)
 
 #: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
-#: and 0.5, 16 pairs of chains each.
-LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16)
+#: and 0.5 and the spectral initialization from the first prompts, 16 pairs of chains each.
+LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16, spectral=True)
+
+#: The light-tailed sweep extended beyond n = 1024 (issue 21): the cap 1/4 at n = 2048 (8 chains) and
+#: 4096 (12 chains), float32 attention (the moment kernel; benchmarks/prompts_engines.md), chains sized
+#: for a standard error of n^2 x excess below 10% of the predicted c2.
+LARGE_DESIGN = (((2048,), 8), ((4096,), 12))
+
+
+def _large_specs(design=LARGE_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[dict]:
+    return [s for ns, chains in design for s in _prompt_specs(scales, ns, chains, attention_dtype="float32", **kw)]
+
 
 # ----------------------------------------------------------------------------- the sweeps
 
@@ -539,12 +577,20 @@ SWEEPS: Dict[str, dict] = {
         full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
         quick=lambda: _prompt_specs(BEST_SCALE, (16,), 3, steps=12, burn_in=4),
     ),
+    "prompts_large": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr", "attention_dtype"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _large_specs(),
+        quick=lambda: _large_specs((((16,), 3),), steps=12, burn_in=4),
+    ),
     "law": dict(
         func=_run_law,
         spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
         columns=("step", "excess_on", "excess_pert", "gap", "cross"),
         full=lambda: _law_specs(**LAW_DESIGN),
-        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,)),
+        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,), spectral=True),
     ),
 }
 

@@ -8,6 +8,7 @@ import torch
 
 import attnlib as al
 from attnlib import experiments as ex
+from attnlib import prompts as pr
 
 
 @pytest.mark.parametrize("name", sorted(ex.SWEEPS))
@@ -217,3 +218,43 @@ def test_law_pairs_share_their_prompts():
     assert rows[0]["excess_on"] < 1e-20 and rows[0]["gap"] > 0 and len(rows) == spec["steps"] + 1
     for r in rows:  # the exact split of the difference: optimization term plus interaction
         assert r["excess_pert"] - r["excess_on"] == pytest.approx(0.5 * r["gap"] ** 2 + r["cross"], abs=1e-12)
+
+
+def test_law_spectral_start_is_the_spectral_initialization_of_the_first_prompts():
+    specs = ex.sweep("law", quick=True).specs
+    spec = next(s for s in specs if s["radius"] == "")
+    assert "start=spectral" in spec["run"] and len({s["run"] for s in specs}) == len(specs)
+    task = ex.make_task(0.0)
+    on, start = ex.law_starts(spec)
+    seed = al.derive_seed(int(spec["pair"]), f"regime-ii-law:{spec['label']}:n={spec['n']}")
+    obj = pr.PromptObjective(task, spec["n"], spec["prompts"], al.make_generator(seed))
+    X, Y = obj.draw()  # the first prompts the chains see
+    A0, B0 = al.spectral_init(X.reshape(-1, task.d), Y.reshape(-1, task.k))
+    assert torch.equal(start[0], A0) and torch.equal(start[1], B0)
+    rows = ex.sweep("law").func(spec)
+    perturbed = ex.sweep("law").func(next(s for s in specs if s["radius"] == 0.1 and s["pair"] == spec["pair"]))
+    for r, q in zip(rows, perturbed):  # the on-manifold chain is the same chain whatever the other start
+        assert r["excess_on"] == q["excess_on"]
+    # the renormalization keeps the product, hence the start's excess
+    assert rows[0]["excess_pert"] == pytest.approx(float(task.excess_risk(A0, B0)), rel=1e-9) and rows[0]["gap"] > 0
+
+
+def test_prompts_large_runs_float32_attention_and_names_it():
+    sw = ex.sweep("prompts_large", quick=True)
+    assert "attention_dtype" in sw.spec_columns and all(s["attention_dtype"] == "float32" for s in sw.specs)
+    spec = sw.specs[0]
+    row = sw.func(spec)[0]
+    res = pr.run_chain(
+        ex.make_task(0.0),
+        spec["n"],
+        steps=spec["steps"],
+        burn_in=spec["burn_in"],
+        prompts=spec["prompts"],
+        lr=spec["lr"],
+        mode="cap",
+        kappa=0.25,
+        seed=al.derive_seed(spec["chain"], f"regime-ii:{spec['label']}:n={spec['n']}"),
+        attention_dtype="float32",
+    )
+    assert row["naive_excess"] == res.naive_excess and res.history.config["attention_dtype"] == "float32"
+    assert {s["n"] for s in ex.sweep("prompts_large").specs} == {2048, 4096}
