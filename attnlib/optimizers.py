@@ -66,6 +66,7 @@ __all__ = [
     "grid_search",
     "measure",
     "train_population_step",
+    "FACTOR_METHODS",
     "factored_product",
     "factored_start",
     "factored_balanced",
