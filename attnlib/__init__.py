@@ -21,8 +21,6 @@ variable ``ATTNLIB_NUM_THREADS``).
 
 import importlib
 import importlib.metadata
-import sys
-import types
 
 # the one version number is pyproject.toml's; an uninstalled checkout reports "0+unknown"
 try:
@@ -37,11 +35,11 @@ _EXPORTS = {
     "as_covariance": "task",
     "make_generator": "rng",
     "derive_seed": "rng",
-    "attention": "attention",
-    "attention_reference": "attention",
-    "attention_weights": "attention",
-    "attention_limit": "attention",
-    "empirical_loss": "attention",
+    "attention": "layer",
+    "attention_reference": "layer",
+    "attention_weights": "layer",
+    "attention_limit": "layer",
+    "empirical_loss": "layer",
     "effective_sample_size": "finite_n",
     "limit_error_prediction": "finite_n",
     "finite_n_error": "finite_n",
@@ -71,14 +69,22 @@ _EXPORTS = {
     "orbit_tangent_part": "landscape",
     "spectral_init": "init",
     "random_init": "init",
-    "train": "train",
-    "train_population": "train",
-    "best_of_grid": "train",
-    "History": "train",
-    "DivergenceError": "train",
-    "METHODS": "train",
-    "Method": "train",
-    "register_method": "train",
+    "orbit_distance": "geometry",
+    "Renormalization": "geometry",
+    "RENORMALIZATIONS": "geometry",
+    "TrainConfig": "optim",
+    "fit": "optim",
+    "train": "optim",
+    "train_population": "optim",
+    "train_prompts": "optim",
+    "run_chain": "optim",
+    "best_of_grid": "optim",
+    "GridCache": "optim",
+    "History": "optim",
+    "DivergenceError": "optim",
+    "METHODS": "optim",
+    "Method": "optim",
+    "register_method": "optim",
     "fit_power_law": "fits",
     "fit_geometric_rate": "fits",
     "PowerLawFit": "fits",
@@ -91,7 +97,6 @@ _EXPORTS = {
     "thread_info": "runtime",
 }
 _SUBMODULES = {
-    "attention",
     "course",
     "experiments",
     "finite_n",
@@ -100,12 +105,14 @@ _SUBMODULES = {
     "init",
     "kernels",
     "landscape",
+    "layer",
     "linalg",
+    "optim",
     "plotting",
+    "prompts",
     "rng",
     "runtime",
     "task",
-    "train",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -119,23 +126,6 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnlib' has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """The package module: a submodule that shares its name with an exported function (``train``)
-    does not replace the function when the import system binds the submodule on first import."""
-
-    def __setattr__(self, name, value):
-        if (
-            isinstance(value, types.ModuleType)
-            and _EXPORTS.get(name) == name
-            and value.__name__ == f"{__name__}.{name}"
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():

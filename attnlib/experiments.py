@@ -46,16 +46,16 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .finite_n import heldout_loss
-from .geometry import distance_to_manifold
+from .finite_n import heldout_loss, softmax_scale
+from .geometry import distance_to_manifold, orbit_distance
 from .init import spectral_init
-from .prompts import excess_ustat, run_chain
-from .renorm import orbit_distance, softmax_scale, train_sequence
+from .optim import Snapshots, run_chain, train, train_prompts
+from .optim.grid import grid_search
+from .prompts import excess_ustat
 from .rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
 from .stats import ExponentFit, fit_exponent, ustat_exponent
 from .task import Task
-from .train import Recorder, train
 
 __all__ = [
     "TASK",
@@ -146,50 +146,23 @@ def _spectral_specs(ns, noises, seeds) -> List[dict]:
 RECORD_STEPS = (0, 1, 2, 3, 5, 10, 20, 40, 60, 80)
 
 
-class _IterateRecorder(Recorder):
-    """Also keeps a copy of every recorded iterate (for distances to the limit's orbit)."""
-
-    def __init__(self, history, task, guard, to_original=lambda A, B: (A, B)):
-        super().__init__(history, task, guard, to_original)
-        self.iterates = []
-
-    def record(self, t, A, B, loss, obj, grads, elapsed) -> bool:
-        ok = super().record(t, A, B, loss, obj, grads, elapsed)
-        if ok:
-            self.iterates.append((A.detach().clone(), B.detach().clone()))
-        return ok
-
-
-def _train(spec: dict, task: Task, X, Y, recorder_cls=Recorder):
-    if spec["renorm"] == "balance" and recorder_cls is Recorder:
-        return train(
-            X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), method="structured", task=task, on_divergence="stop"
-        ), None
-    kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
-    holder = {}
-
-    def make(history, task_, guard):
-        holder["rec"] = recorder_cls(history, task_, guard)
-        return holder["rec"]
-
-    h = train_sequence(
-        X,
-        Y,
-        steps=int(spec["steps"]),
-        lr=float(spec["lr"]),
-        mode=spec["renorm"],
-        kappa=kappa,
-        task=task,
-        recorder_cls=make,
-    )
-    return h, holder["rec"]
+def _train(spec: dict, task: Task, X, Y, hooks=()):
+    """Algorithm 1 on one sequence: the book's default (with the regularizer) for ``"balance"`` without
+    hooks (the trained sweep), else without the regularizer and with the spec's renormalization."""
+    if spec["renorm"] == "balance" and not hooks:
+        return train(X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), task=task, on_divergence="stop")
+    nu_cap = None if spec["renorm"] == "balance" else float(spec["kappa"])
+    return train(
+        X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), regularize=False, renormalize=spec["renorm"],
+        nu_cap=nu_cap, task=task, hooks=hooks, on_divergence="stop",
+    )  # fmt: skip
 
 
 def _run_trained(spec: dict) -> List[dict]:
     task = make_task(spec["noise_std"])
     n, seed = int(spec["n"]), int(spec["seed"])
     X, Y = _sequence(task, "regime-i-trained", n, seed)
-    h, _ = _train(spec, task, X, Y)
+    h = _train(spec, task, X, Y)
     A0, B0 = spectral_init(X, Y)
     tl0 = heldout_loss(A0, B0, task, n, n_sequences=2, seed=seed)
     tl1 = heldout_loss(h.A, h.B, task, n, n_sequences=2, seed=seed)
@@ -243,7 +216,8 @@ def _run_rate(spec: dict) -> List[dict]:
     task = make_task(spec["noise_std"])
     n, seed = int(spec["n"]), int(spec["seed"])
     X, Y = _sequence(task, "regime-i-rate", n, seed)
-    h, rec = _train(spec, task, X, Y, recorder_cls=_IterateRecorder)
+    rec = Snapshots()
+    h = _train(spec, task, X, Y, hooks=(rec,))
     from .task import empirical_task
 
     geom = empirical_task(X, Y)
@@ -289,8 +263,8 @@ def _run_chain(spec: dict) -> List[dict]:
         burn_in=int(spec["burn_in"]),
         prompts=int(spec["prompts"]),
         lr=float(spec["lr"]),
-        mode=spec["mode"],
-        kappa=kappa,
+        renormalize=spec["mode"],
+        nu_cap=kappa,
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
         attention_dtype=spec.get("attention_dtype") or None,
     )
@@ -298,7 +272,7 @@ def _run_chain(spec: dict) -> List[dict]:
     row.update(
         naive_excess=res.naive_excess,
         test_excess=res.test_excess,
-        scale=res.scale,
+        scale=res.nu,
         last_excess=res.history.excess[-1],
         batches=res.batches,
     )
@@ -307,7 +281,7 @@ def _run_chain(spec: dict) -> List[dict]:
 
 def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_dtype=None) -> List[dict]:
     """Independent chains per scale and ``n``; ``attention_dtype`` (e.g. ``"float32"``), when given, is
-    the attention part's dtype (:class:`attnlib.prompts.PromptObjective`), kept in the spec."""
+    the attention part's dtype (:class:`attnlib.optim.PromptObjective`), kept in the spec."""
     out = []
     for label, mode, kappa in scales:
         for n in ns:
@@ -346,7 +320,7 @@ def _run_limit(spec: dict) -> List[dict]:
     n, seed = int(spec["n"]), int(spec["seed"])
     X, Y = _sequence(task, "regime-i-trained", n, seed)  # the trained sweep's sequences: paired with it
     kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
-    g = SequenceMap(X, Y, float(spec["lr"]), mode=spec["renorm"], kappa=kappa)
+    g = SequenceMap(X, Y, float(spec["lr"]), renormalize=spec["renorm"], nu_cap=kappa)
     v = g.from_params(*spectral_init(X, Y))
     its = g.iterate(v, max(LIMIT_RECORD))
     row = {f"excess_{m}": float(task.excess_risk(*g.to_params(its[m]))) for m in LIMIT_RECORD}
@@ -395,24 +369,15 @@ LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
 
 
 def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: str, kappa, seed: int, init):
-    """One regime-(ii) chain (the step rule of ``attnlib.prompts.run_chain``); the residual
-    ``A Sigma B^T - M`` at every step."""
-    from .prompts import PromptObjective
-    from .renorm import ScaledStructuredStep, renormalize_scaled
-    from .rng import make_generator
-
-    obj = PromptObjective(task, n, prompts, make_generator(seed))
-    step = ScaledStructuredStep(lr, task, mode, kappa)
-    A, B = renormalize_scaled(init[0], init[1], task, mode, kappa)
+    """One regime-(ii) chain (:func:`attnlib.optim.run_chain`); the residual ``A Sigma B^T - M`` at every step."""
     Es = []
-    for m in range(steps + 1):
-        Es.append((A @ task.Sigma @ B.T - task.M).detach())
-        if m == steps:
-            break
-        A_, B_ = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
-        grads = torch.autograd.grad(obj(A_, B_), (A_, B_))
-        step.update(None, A_, B_, grads)
-        A, B = A_.detach(), B_.detach()
+
+    def residual(t, A, B, loss, recorded):
+        with torch.no_grad():
+            Es.append((A.detach() @ task.Sigma @ B.detach().T - task.M).detach())
+
+    run_chain(task, n, steps=steps, burn_in=0, prompts=prompts, lr=lr, renormalize=mode, nu_cap=kappa, seed=seed,
+              init=init, record_every=steps, hooks=(residual,))  # fmt: skip
     return Es
 
 
@@ -796,7 +761,7 @@ def optimizer_start(task: Task, start: str, seed: int):
         A, B, _ = random_manifold_point(task, seed=s)
         return perturb(A, B, task, OPT_NEAR_RADIUS, seed=derive_seed(s, "perturb"))
     if start == "saddle":
-        return random_init(task.d, task.k, scale=1e-2, seed=s)
+        return random_init(task.d, task.k, std=1e-2, seed=s)
     raise ValueError(f"start: expected 'near' or 'saddle', got {start!r}")
 
 
@@ -808,11 +773,11 @@ def optimizer_grid(label: str) -> List[float]:
 
 def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_every: int = 1):
     """One training run of the optimizers sweep at step ``lr``: ``(History, step rule)``."""
-    from .optimizers import train_population_step
+    from .optim import train_population
 
     method, extra, _ = OPT_METHODS[spec["label"]]
     task = optimizer_task(spec["cond"], spec["seed"])
-    return train_population_step(
+    h = train_population(
         task,
         method=method,
         steps=int(spec["steps"]),
@@ -823,10 +788,11 @@ def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_
         record_every=record_every,
         **extra,
     )
+    return h, h.step_rule
 
 
 def _run_optimizers(spec: dict) -> List[dict]:
-    from . import optimizers as opt
+    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     steps_of: Dict[float, object] = {}
@@ -836,7 +802,7 @@ def _run_optimizers(spec: dict) -> List[dict]:
         steps_of[float(lr)] = st
         return h
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), extend=12)
+    res = grid_search(run, optimizer_grid(spec["label"]), extend=12)
     rows = []
     for lr, score in zip(res["lrs"], res["scores"]):
         row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
@@ -909,8 +875,7 @@ OPT_SEQ_STEPS = 300
 
 
 def _run_optimizers_sequence(spec: dict) -> List[dict]:
-    from . import optimizers as opt
-    from .train import train
+    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     n = int(spec["n"])
@@ -929,7 +894,7 @@ def _run_optimizers_sequence(spec: dict) -> List[dict]:
     def score(h):
         return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=select_seed)
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    res = grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
     rows = []
     for lr, s in zip(res["lrs"], res["scores"]):
         row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
@@ -994,7 +959,7 @@ OPT_FACTOR_STEPS = 600
 
 def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
     """One four-factor run of the ``optimizers_factored`` sweep at step ``lr`` (a History)."""
-    from .optimizers import train_factored
+    from .optim.optimizers import train_factored
 
     task = optimizer_task(spec["cond"], spec["seed"])
     return train_factored(
@@ -1009,12 +974,12 @@ def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
 
 
 def _run_optimizers_factored(spec: dict) -> List[dict]:
-    from . import optimizers as opt
+    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     lo, hi = OPT_FACTOR_GRIDS[spec["label"]]
     grid = [float(10.0**e) for e in np.arange(lo, hi + 1e-9, 0.5)]
-    res = opt.grid_search(
+    res = grid_search(
         lambda lr, on_divergence="stop": run_factored(spec, lr, on_divergence=on_divergence), grid, extend=12
     )
     rows = []
@@ -1088,7 +1053,7 @@ OPT_PROMPT_TAIL = 50
 
 
 def _run_optimizers_prompts(spec: dict) -> List[dict]:
-    from . import optimizers as opt
+    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     n, steps = int(spec["n"]), int(spec["steps"])
@@ -1098,15 +1063,15 @@ def _run_optimizers_prompts(spec: dict) -> List[dict]:
     eval_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:evaluate")
 
     def run(lr, on_divergence="stop"):
-        return opt.train_prompts(
-            task, method=OPT_METHODS[spec["label"]][0], n=n, prompts=OPT_PROMPT_BATCH, steps=steps, lr=float(lr),
+        return train_prompts(
+            task, n, method=OPT_METHODS[spec["label"]][0], prompts=OPT_PROMPT_BATCH, steps=steps, lr=float(lr),
             init=start, seed=train_seed, on_divergence=on_divergence,
         )  # fmt: skip
 
     def score(h):
         return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=select_seed)
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    res = grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
     rows = []
     for lr, s in zip(res["lrs"], res["scores"]):
         row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)

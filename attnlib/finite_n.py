@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ._validate import check_matrix, check_positive_int
-from .attention import attention, attention_limit, empirical_loss
 from .fits import PowerLawFit, fit_power_law
+from .layer import attention, attention_limit, empirical_loss
 from .linalg import sym_sqrt
 from .rng import derive_seed
 from .task import SigmaLike, Task, as_covariance

@@ -3,7 +3,7 @@ r"""Regime (i): what Algorithm 1 converges to on one sequence, and how fast.
 On one sequence ``(X, Y)`` of ``n`` tokens the algorithm of the book is a map ``G`` on the
 parameters: a preconditioned gradient step on ``Qhat = Lhat + Rhat`` (plain gradient descent in
 the balanced coordinates ``(At, C)`` of ``Sigmahat``), then the renormalization (``"balance"``,
-the book's default, or the ``"cap"`` / ``"fix"`` modes of :mod:`attnlib.renorm`, for which the
+the book's default, or the ``"cap"`` / ``"fix"`` modes of :class:`attnlib.geometry.Renormalization`, for which the
 step is taken in the balanced coordinates and the regularizer is off). Without label noise
 ``Lhat`` has no minimizer (its infimum 0 is approached at infinity, see the book's chapter on
 the scaling law), so the iteration's limit is not a critical point of ``Lhat``: it is a fixed
@@ -14,7 +14,7 @@ point ``v* = G(v*)`` of "step, then renormalize". This module computes it direct
   ``Z = X Sigmahat^{-1/2}``, so ``Sigmahat_Z = I`` and ``(At, C) = (A_Z, B_Z^T)``; the
   renormalization is the Procrustes-balanced factorization of the product, as in
   :func:`attnlib.geometry.renormalize`); one application equals one step of
-  ``attnlib.train(method="structured")`` (or of :func:`attnlib.renorm.train_sequence`), tested;
+  ``attnlib.train(method="structured")`` (with the same ``renormalize``), tested;
 * :func:`fixed_point`: Newton's method on ``G(v) - v = 0``, the Jacobian from
   ``torch.autograd.functional.jacobian`` in float64, with step halving on the residual;
   the residual ``||G(v) - v||`` is reported;
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from ._validate import check_nonneg_float, check_positive_int, check_samples
+from .geometry import _check_nu_cap
 from .init import spectral_init
 from .linalg import sym_inv_sqrt, sym_sqrt
-from .renorm import RENORM_MODES
 from .task import Task
 
 __all__ = ["SequenceMap", "FixedPoint", "fixed_point", "Spectrum", "spectrum", "rotation_basis", "orbit_curvature"]
@@ -64,27 +64,28 @@ class SequenceMap(IteratedMap):
     """The map ``G`` (step, then renormalize) of Algorithm 1 on one sequence, in balanced coordinates.
 
     ``G(v)`` takes the flattened ``v = (At, C)`` (``k d + d^2`` entries, coordinates of
-    ``Sigmahat = X^T X / n``) to the next iterate. ``lr``: the step size; ``mode``/``kappa``: the
-    renormalization (:data:`attnlib.renorm.RENORM_MODES`); ``lam``: the weight of the balancing
-    regularizer, used with ``"balance"`` only (as ``attnlib.train(method="structured")`` does;
-    ``"cap"``/``"fix"`` train without it, as :func:`attnlib.renorm.train_sequence` does).
-    Everything is differentiable (float64 recommended for Jacobians).
+    ``Sigmahat = X^T X / n``) to the next iterate. ``lr``: the step size; ``renormalize``/``nu_cap``:
+    the renormalization (``"balance"``, ``"cap"`` or ``"fix"``, as in
+    :class:`attnlib.geometry.Renormalization`, whose operations it repeats differentiably, for
+    Jacobians); ``lam``: the weight of the balancing regularizer, used with ``"balance"`` only (as
+    ``attnlib.train(method="structured")`` does; under ``"cap"``/``"fix"`` the regularizer is off by
+    default). Everything is differentiable (float64 recommended for Jacobians).
     """
 
-    def __init__(self, X, Y, lr: float, *, mode: str = "balance", kappa: Optional[float] = None, lam: float = 1.0):
+    def __init__(
+        self, X, Y, lr: float, *, renormalize: str = "balance", nu_cap: Optional[float] = None, lam: float = 1.0
+    ):
         X, Y = check_samples(X, Y)
         self.n, self.d = X.shape
         self.k = Y.shape[1]
         if self.n < self.d:
             raise ValueError(f"X: the structured components need n >= d, got n = {self.n}, d = {self.d}")
-        if mode not in RENORM_MODES:
-            raise ValueError(f"mode: expected one of {RENORM_MODES}, got {mode!r}")
-        if mode != "balance" and kappa is None:
-            raise ValueError(f"kappa: mode {mode!r} needs a positive bound kappa on lambda_max(C^T C)")
+        if renormalize not in ("balance", "cap", "fix"):
+            raise ValueError(f"renormalize: expected 'balance', 'cap' or 'fix', got {renormalize!r}")
+        self.nu_cap = _check_nu_cap(renormalize, nu_cap)
         self.lr = check_nonneg_float(lr, "lr", positive=True)
-        self.mode = mode
-        self.kappa = None if mode == "balance" else check_nonneg_float(kappa, "kappa", positive=True)
-        self.lam = check_nonneg_float(lam, "lam") if mode == "balance" else 0.0
+        self.mode = renormalize
+        self.lam = check_nonneg_float(lam, "lam") if renormalize == "balance" else 0.0
         self.X, self.Y = X, Y
         self.Sh = X.T @ X / self.n
         self.Sh_half, self.Sh_inv_half = sym_sqrt(self.Sh), sym_inv_sqrt(self.Sh)
@@ -138,7 +139,7 @@ class SequenceMap(IteratedMap):
         Atb, Cb = Us @ W.T, W @ Vs.T
         if self.mode == "balance":
             return Atb, Cb
-        t2 = s[0] / self.kappa
+        t2 = s[0] / self.nu_cap
         if self.mode == "cap":
             t2 = torch.clamp(t2, min=1.0)
         t = torch.sqrt(t2)

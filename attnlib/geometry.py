@@ -43,6 +43,9 @@ __all__ = [
     "project_to_manifold",
     "distance_to_manifold",
     "renormalize",
+    "Renormalization",
+    "RENORMALIZATIONS",
+    "orbit_distance",
     "perturb",
     "SigmaLike",
 ]
@@ -175,39 +178,13 @@ def distance_to_manifold(A, B, task: Task) -> torch.Tensor:
     return torch.sqrt(torch.sum((At - At_p) ** 2) + torch.sum((C - C_p) ** 2))
 
 
-def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""Renormalization step: re-factor ``At C`` without changing the product.
+#: The renormalizations (moves along the orbit after each update); see :class:`Renormalization`.
+RENORMALIZATIONS = ("balance", "cap", "fix", "equalize")
 
-    ``mode="scale"``: ``(At, C) -> (At / c, c C)`` with ``c = sqrt(||At||_F / ||C||_F)``,
-    so both factors get the same Frobenius norm (in ``(A, B)``: ``(A / c, c B)``).
 
-    ``mode="balance"``: replace ``(At, C)`` by the closest (Frobenius) balanced
-    factorization of the current product ``P = At C``: with ``P = U S V^T``,
-    ``(U S^{1/2} W^T, W S^{1/2} V^T)`` and ``W`` from Procrustes. Among all
-    factorizations of ``P`` the balanced ones minimize the total norm
-    ``(||At||_F^2 + ||C||_F^2) / 2``, and the minimum is the nuclear norm ``||P||_*``.
-    ``||C||_F^2`` alone is *not* minimized by them: ``(t At, C / t)`` factors the same
-    product with ``||C||_F^2`` as small as one likes. At a balanced factorization
-    ``||C||_F^2 = ||P||_*`` and ``lambda_max(C^T C) = s_1(P)``, so the softmax scale is
-    fixed by the product alone. The scaling mode does not re-balance (it only
-    equalizes the two norms).
-
-    Both leave the population loss unchanged (they keep ``At C``). If the product
-    is not finite (a diverging iterate), ``"balance"`` returns NaN parameters, so
-    that a training loop's divergence guard stops instead of continuing from a
-    meaningless re-factorization.
-    """
-    if mode not in ("scale", "balance"):
-        raise ValueError(f"mode: expected 'scale' or 'balance', got {mode!r}")
-    R = _Roots(Sigma)
-    A, B = _params(A, B, R.d, ref=R.S)
+def _balance(A, B, R: _Roots):
+    """The closest balanced factorization of the product (NaN if it is not finite, 0 if it is 0)."""
     At, C = A @ R.half, R.half @ B.T @ R.half
-    if mode == "scale":
-        na, nc = torch.linalg.norm(At), torch.linalg.norm(C)
-        if float(na) == 0.0 or float(nc) == 0.0:
-            return A, B
-        c = torch.sqrt(na / nc)
-        return A / c, B * c
     P = At @ C
     if not bool(torch.isfinite(P).all()):
         # the product overflowed (a diverging iterate): no factorization to re-balance; NaN tells the caller
@@ -219,6 +196,120 @@ def renormalize(A, B, Sigma: SigmaLike, mode: str = "scale") -> Tuple[torch.Tens
     U, s, Vh = torch.linalg.svd(P, full_matrices=False)
     At_b, C_b, _ = _procrustes(At, C, U[:, :r], s[:r], Vh[:r].T)
     return At_b @ R.inv_half, R.inv_half @ C_b.T @ R.inv_half
+
+
+def _equalize(A, B, R: _Roots):
+    """``(At / c, c C)`` with ``c = sqrt(||At||_F / ||C||_F)``: both factors get the same Frobenius norm."""
+    na, nc = torch.linalg.norm(A @ R.half), torch.linalg.norm(R.half @ B.T @ R.half)
+    if float(na) == 0.0 or float(nc) == 0.0:
+        return A, B
+    c = torch.sqrt(na / nc)
+    return A / c, B * c
+
+
+def _check_nu_cap(mode: str, nu_cap) -> Optional[float]:
+    if mode not in RENORMALIZATIONS:
+        raise ValueError(f"renormalize: expected one of {RENORMALIZATIONS}, got {mode!r}")
+    if mode not in ("cap", "fix"):
+        if nu_cap is not None:
+            raise ValueError(f"nu_cap: only the 'cap' and 'fix' renormalizations take a bound, not {mode!r}")
+        return None
+    if nu_cap is None:
+        raise ValueError(f"nu_cap: the {mode!r} renormalization needs a positive bound nu_cap on lambda_max(C^T C)")
+    return check_nonneg_float(nu_cap, "nu_cap", positive=True)
+
+
+class Renormalization:
+    r"""The renormalization that follows every update: re-factor ``P = At C`` without changing it.
+
+    The one place where the iterates move along the orbit of the product (the training loop
+    :func:`attnlib.optim.run` calls it after each update). ``Sigma`` is factorized once, here;
+    calling the object does not re-validate its arguments (the loop's iterates).
+
+    * ``"balance"`` (the structured method's default): the closest (Frobenius) balanced
+      factorization of ``P = U S V^T``, ``(U S^{1/2} W^T, W S^{1/2} V^T)`` with ``W`` from
+      Procrustes. Among all factorizations of ``P`` the balanced ones minimize the total norm
+      ``(||At||_F^2 + ||C||_F^2) / 2``, and the minimum is the nuclear norm ``||P||_*``
+      (``||C||_F^2`` alone is *not* minimized: ``(gamma At, C / gamma)`` makes it arbitrarily small).
+      At a balanced factorization ``lambda_max(C^T C) = s_1(P)``: the softmax scale ``nu`` is
+      fixed by the product.
+    * ``"cap"`` (ours): balance, then move along the orbit ``(gamma At, C / gamma)`` with
+      ``gamma^2 = max(1, s_1(P) / nu_cap)``, so that ``nu <= nu_cap`` (equals ``"balance"`` when
+      ``s_1(P) <= nu_cap``).
+    * ``"fix"`` (ours): the same move with ``gamma^2 = s_1(P) / nu_cap``: the cap always active,
+      ``nu = nu_cap`` exactly, on either side of the heavy-tail threshold 1/2 (the experiments
+      scan the softmax scale with it).
+    * ``"equalize"``: ``(At / c, c C)`` with ``c = sqrt(||At||_F / ||C||_F)``, both factors of the
+      same Frobenius norm (it does not re-balance).
+
+    All keep ``At C``, hence the population loss. If the product is not finite (a diverging
+    iterate) the balancing modes return NaN parameters, so that the loop's divergence guard stops.
+    """
+
+    def __init__(self, mode: str, Sigma: SigmaLike, nu_cap: Optional[float] = None):
+        self.nu_cap = _check_nu_cap(mode, nu_cap)
+        self.mode = mode
+        self.roots = _Roots(Sigma)
+
+    def __call__(self, A, B) -> Tuple[torch.Tensor, torch.Tensor]:
+        R = self.roots
+        if self.mode == "equalize":
+            return _equalize(A, B, R)
+        Ab, Bb = _balance(A, B, R)
+        if self.mode == "balance":
+            return Ab, Bb
+        At, C = Ab @ R.half, R.half @ Bb.T @ R.half
+        nu = float(torch.linalg.matrix_norm(C, ord=2) ** 2)  # = s_1(At C) at a balanced point
+        if nu == 0.0:
+            return Ab, Bb
+        gamma2 = nu / self.nu_cap
+        if self.mode == "cap":
+            gamma2 = max(1.0, gamma2)
+        gamma = gamma2**0.5
+        return (gamma * At) @ R.inv_half, R.inv_half @ (C / gamma).T @ R.inv_half
+
+    def gamma2(self, A, B) -> float:
+        """``gamma^2 = ||At||_F / ||C||_F`` of an iterate, for ``"cap"``/``"fix"`` (1 otherwise).
+
+        The structured step after these renormalizations is taken in the balanced coordinates
+        ``(At / gamma, gamma C)``: the ``A`` block scaled by ``gamma^2``, the ``B`` block by ``1/gamma^2``
+        (a step size that suits the balanced point does not suit the rescaled one).
+        """
+        if self.mode not in ("cap", "fix"):
+            return 1.0
+        R = self.roots
+        na, nc = float(torch.linalg.norm(A @ R.half)), float(torch.linalg.norm(R.half @ B.T @ R.half))
+        return na / nc if na > 0 and nc > 0 else 1.0
+
+
+def renormalize(
+    A, B, Sigma: SigmaLike, mode: str = "balance", nu_cap: Optional[float] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One renormalization of ``(A, B)`` (see :class:`Renormalization` for the modes); returns ``(A, B)``.
+
+    ``mode``: ``"balance"`` (default), ``"cap"`` or ``"fix"`` (with the bound ``nu_cap`` on the
+    softmax scale ``nu = lambda_max(C^T C)``), or ``"equalize"``.
+    """
+    R = Renormalization(mode, Sigma, nu_cap)
+    A, B = _params(A, B, R.roots.d, ref=R.roots.S)
+    return R(A, B)
+
+
+def orbit_distance(A, B, A_ref, B_ref, Sigma: SigmaLike) -> float:
+    r"""P-distance from ``(A, B)`` to the orbit ``{(At_ref O, O^T C_ref) : O orthogonal}`` of a reference point.
+
+    ``min_O ||At - At_ref O||_F^2 + ||C - O^T C_ref||_F^2`` (coordinates of ``Sigma``) is an
+    orthogonal Procrustes problem: with ``N = At^T At_ref + C C_ref^T = U S V^T`` the minimizer
+    is ``O = V U^T``. The distance does not change when either point moves along its orbit,
+    so it measures convergence to a limit point without counting drift along the nearly
+    flat orbit of the finite-n loss.
+    """
+    At, C = to_factor(A, B, Sigma)
+    Ar, Cr = to_factor(A_ref, B_ref, Sigma)
+    N = At.T @ Ar + C @ Cr.T
+    U, _, Vh = torch.linalg.svd(N)
+    O = Vh.T @ U.T
+    return float(torch.sqrt(torch.sum((At - Ar @ O) ** 2) + torch.sum((C - O.T @ Cr) ** 2)))
 
 
 def perturb(

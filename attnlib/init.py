@@ -49,19 +49,19 @@ def random_init(
     d: int,
     k: int,
     *,
-    scale: float = 1e-2,
+    std: float = 1e-2,
     seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     dtype=None,
     device=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(A, B)`` with i.i.d. ``N(0, scale^2 / d)`` entries (``A``: k x d, ``B``: d x d)."""
+    """Random ``(A, B)`` with i.i.d. ``N(0, std^2 / d)`` entries (``A``: k x d, ``B``: d x d)."""
     d = check_positive_int(d, "d")
     k = check_positive_int(k, "k")
-    scale = check_nonneg_float(scale, "scale")
+    std = check_nonneg_float(std, "std")
     g = make_generator(seed, generator)
     f64 = torch.float64
-    A = torch.randn(k, d, generator=g, dtype=f64) * (scale / d**0.5)
-    B = torch.randn(d, d, generator=g, dtype=f64) * (scale / d**0.5)
+    A = torch.randn(k, d, generator=g, dtype=f64) * (std / d**0.5)
+    B = torch.randn(d, d, generator=g, dtype=f64) * (std / d**0.5)
     dtype, device = resolve_dtype(dtype), resolve_device(device)
     return A.to(device, dtype), B.to(device, dtype)

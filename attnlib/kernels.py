@@ -33,11 +33,11 @@ Public entry points:
 
 * :func:`loss_and_grad` ``(A, B, X, Y, queries=None) -> (loss, dL/dA, dL/dB)``: ``X`` of shape
   (n, d) (one sequence; ``queries`` a LongTensor of query rows, as in
-  :func:`attnlib.attention.empirical_loss`) or (P, n, d) (P prompts: the mean over prompts of their
-  losses, as in :class:`attnlib.prompts.PromptObjective`); float32 or float64, CPU, ``d <= 8``.
+  :func:`attnlib.layer.empirical_loss`) or (P, n, d) (P prompts: the mean over prompts of their
+  losses, as in :class:`attnlib.optim.PromptObjective`); float32 or float64, CPU, ``d <= 8``.
 * :func:`kernel_loss`: the same loss as a 0-dim tensor that autograd differentiates in ``A`` and
   ``B`` (the gradient is the one computed in the same pass; ``X``, ``Y`` are data: no gradient,
-  no second derivatives). :func:`attnlib.attention.empirical_loss` and the regime-(ii) objective
+  no second derivatives). :func:`attnlib.layer.empirical_loss` and the regime-(ii) objective
   call it with ``engine="kernel"`` (or ``"auto"``).
 * :func:`resolve_engine`: ``"auto"`` is this kernel for CPU tensors with ``d <= 8`` where numba is
   installed, else ``"sdpa"`` (torch's fused attention and autograd: the reference, and the path
@@ -370,7 +370,7 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
 
     ``X`` (n, d) and ``Y`` (n, k): ``L = 1/(2N) sum_i ||A o_i - y_i||^2`` over all ``N = n`` rows, or
     over the rows ``queries`` (a LongTensor; the keys are still all n tokens), exactly
-    :func:`attnlib.attention.empirical_loss`. ``X`` (P, n, d) and ``Y`` (P, n, k): the mean over the P
+    :func:`attnlib.layer.empirical_loss`. ``X`` (P, n, d) and ``Y`` (P, n, k): the mean over the P
     prompts of their losses (each over its own n tokens), exactly
     ``attnlib.prompts.prompt_losses(A, B, X, Y).mean()``. CPU, float32 or float64, ``d <= 8``;
     results in ``X``'s dtype (sums over queries accumulated in float64). ``A``, ``B`` are cast to

@@ -236,7 +236,7 @@ class SurrogateMap(IteratedMap):
         self.n = check_nonneg_float(n, "n", positive=True)
         self.lr = check_nonneg_float(lr, "lr", positive=True)
         _scale_t2(task, mode, kappa)  # validates mode and kappa
-        self.mode, self.kappa = mode, kappa
+        self.mode, self.nu_cap = mode, kappa
         self.k, self.d = task.k, task.d
         self.size = self.k * self.d + self.d * self.d
 

@@ -123,9 +123,7 @@ def _prompt_step(n, reps):
 
     import attnlib as al
     from attnlib import experiments as ex
-    from attnlib import prompts as pr
-    from attnlib.renorm import ScaledStructuredStep, renormalize_scaled
-    from attnlib.train import Objective
+    from attnlib import optim
 
     task = ex.make_task(0.0)
     rows = []
@@ -136,16 +134,21 @@ def _prompt_step(n, reps):
         ("moment kernel float32", "kernel", torch.float32),
     ):
         A, B = al.manifold_point(task, task.svd[2])
-        A, B = renormalize_scaled(A, B, task, "balance", None)
+        renorm = al.Renormalization("balance", task)
+        A, B = renorm(A, B)
         A, B = A.clone().requires_grad_(), B.clone().requires_grad_()
-        loss = pr.PromptObjective(task, n, PROMPTS, al.make_generator(0), engine=engine, attention_dtype=adt)
-        objective = Objective(loss, geometry=task)
-        step = ScaledStructuredStep(0.5, task, "balance", None)
+        loss = optim.PromptObjective(task, n, PROMPTS, al.make_generator(0), engine=engine, attention_dtype=adt)
+        objective = loss.objective()
+        step = optim.GradientStep(0.5, torch.linalg.inv(task.Sigma))
 
         def full_step():
             _, obj = objective(A, B)
             grads = torch.autograd.grad(obj, (A, B))
             step.update(objective, A, B, grads)
+            with torch.no_grad():
+                An, Bn = renorm(A, B)
+                A.copy_(An)
+                B.copy_(Bn)
 
         X, Y = loss.draw()
 

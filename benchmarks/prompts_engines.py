@@ -37,7 +37,7 @@ import numpy as np
 
 def _run(spec, engine, dtype):
     from attnlib import experiments as ex
-    from attnlib.prompts import run_chain
+    from attnlib.optim import run_chain
     from attnlib.rng import derive_seed
 
     task = ex.make_task(0.0)
@@ -50,8 +50,8 @@ def _run(spec, engine, dtype):
         burn_in=int(spec["burn_in"]),
         prompts=int(spec["prompts"]),
         lr=float(spec["lr"]),
-        mode=spec["mode"],
-        kappa=kappa,
+        renormalize=spec["mode"],
+        nu_cap=kappa,
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
         engine=engine,
         attention_dtype=dtype,

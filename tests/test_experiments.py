@@ -8,7 +8,6 @@ import torch
 
 import attnlib as al
 from attnlib import experiments as ex
-from attnlib import prompts as pr
 
 
 @pytest.mark.parametrize("name", sorted(ex.SWEEPS))
@@ -227,7 +226,7 @@ def test_law_spectral_start_is_the_spectral_initialization_of_the_first_prompts(
     task = ex.make_task(0.0)
     on, start = ex.law_starts(spec)
     seed = al.derive_seed(int(spec["pair"]), f"regime-ii-law:{spec['label']}:n={spec['n']}")
-    obj = pr.PromptObjective(task, spec["n"], spec["prompts"], al.make_generator(seed))
+    obj = al.optim.PromptObjective(task, spec["n"], spec["prompts"], al.make_generator(seed))
     X, Y = obj.draw()  # the first prompts the chains see
     A0, B0 = al.spectral_init(X.reshape(-1, task.d), Y.reshape(-1, task.k))
     assert torch.equal(start[0], A0) and torch.equal(start[1], B0)
@@ -244,15 +243,15 @@ def test_prompts_large_runs_float32_attention_and_names_it():
     assert "attention_dtype" in sw.spec_columns and all(s["attention_dtype"] == "float32" for s in sw.specs)
     spec = sw.specs[0]
     row = sw.func(spec)[0]
-    res = pr.run_chain(
+    res = al.run_chain(
         ex.make_task(0.0),
         spec["n"],
         steps=spec["steps"],
         burn_in=spec["burn_in"],
         prompts=spec["prompts"],
         lr=spec["lr"],
-        mode="cap",
-        kappa=0.25,
+        renormalize="cap",
+        nu_cap=0.25,
         seed=al.derive_seed(spec["chain"], f"regime-ii:{spec['label']}:n={spec['n']}"),
         attention_dtype="float32",
     )

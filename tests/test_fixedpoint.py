@@ -8,7 +8,6 @@ import torch
 
 import attnlib as al
 from attnlib import fixedpoint as fp
-from attnlib.renorm import train_sequence
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,9 @@ def test_G_is_one_step_of_the_books_algorithm(seq):
     A, B = g.to_params(g.iterate(g.from_params(A0, B0), 4)[-1])
     h = al.train(X, Y, steps=4, lr=0.5, method="structured")  # balance renormalization, regularizer lam = 1
     assert torch.allclose(A, h.A, atol=1e-12) and torch.allclose(B, h.B, atol=1e-12)
-    gc = fp.SequenceMap(X, Y, 0.3, mode="cap", kappa=0.25)
+    gc = fp.SequenceMap(X, Y, 0.3, renormalize="cap", nu_cap=0.25)
     A, B = gc.to_params(gc.iterate(gc.from_params(A0, B0), 4)[-1])
-    hc = train_sequence(X, Y, steps=4, lr=0.3, mode="cap", kappa=0.25)
+    hc = al.train(X, Y, steps=4, lr=0.3, renormalize="cap", nu_cap=0.25)
     assert torch.allclose(A, hc.A, atol=1e-12) and torch.allclose(B, hc.B, atol=1e-12)
     # off the balanced set the regularizer's gradient counts, as in train(): G maps any point the same way
     v = g.from_params(*al.perturb(A0, B0, al.empirical_task(X, Y), 0.3, seed=2))
@@ -116,9 +115,9 @@ def test_rotation_basis_spans_the_orbit(limit):
 def test_bad_input(seq):
     X, Y = seq
     with pytest.raises(ValueError, match="mode"):
-        fp.SequenceMap(X, Y, 0.5, mode="nope")
-    with pytest.raises(ValueError, match="kappa"):
-        fp.SequenceMap(X, Y, 0.5, mode="cap")
+        fp.SequenceMap(X, Y, 0.5, renormalize="nope")
+    with pytest.raises(ValueError, match="nu_cap"):
+        fp.SequenceMap(X, Y, 0.5, renormalize="cap")
     with pytest.raises(ValueError, match="lr"):
         fp.SequenceMap(X, Y, -1.0)
     with pytest.raises(ValueError, match="v0"):

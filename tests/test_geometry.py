@@ -119,7 +119,7 @@ def test_distance_equals_brute_force_minimization(gtask, radius):
     assert brute == pytest.approx(exact, rel=1e-6, abs=1e-9)
 
 
-@pytest.mark.parametrize("mode", ["scale", "balance"])
+@pytest.mark.parametrize("mode", ["equalize", "balance"])
 def test_renormalize_keeps_the_product(gtask, mode):
     g = torch.Generator().manual_seed(2)
     A = torch.randn(gtask.k, gtask.d, generator=g, dtype=torch.float64) * 3
@@ -129,7 +129,7 @@ def test_renormalize_keeps_the_product(gtask, mode):
     At2, C2 = al.to_factor(A2, B2, gtask)
     assert torch.allclose(At @ C, At2 @ C2, atol=1e-10)
     assert float(gtask.population_loss(A2, B2)) == pytest.approx(float(gtask.population_loss(A, B)), rel=1e-10)
-    if mode == "scale":
+    if mode == "equalize":
         assert float(torch.linalg.norm(At2)) == pytest.approx(float(torch.linalg.norm(C2)), rel=1e-12)
     else:
         assert torch.allclose(At2.T @ At2, C2 @ C2.T, atol=1e-10)

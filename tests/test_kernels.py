@@ -165,7 +165,7 @@ def test_prompt_objective_engines_and_float32_attention():
     X, Y = pr.sample_prompts(task, 48, 6, seed=3)
     grads = {}
     for engine, adt in (("sdpa", None), ("kernel", None), ("auto", None), ("kernel", "float32"), ("sdpa", "float32")):
-        obj = pr.PromptObjective(task, 48, 6, al.make_generator(0), engine=engine, attention_dtype=adt)
+        obj = al.optim.PromptObjective(task, 48, 6, al.make_generator(0), engine=engine, attention_dtype=adt)
         A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()
         est = obj.estimate(A_, B_, X, Y)
         assert est.dtype == F64
@@ -179,8 +179,8 @@ def test_prompt_objective_engines_and_float32_attention():
 def test_chain_with_the_kernel_equals_the_sdpa_chain():
     task = al.Task.random(3, 2, cond=5.0, signal=1.0, seed=2)
     kw = dict(steps=12, burn_in=4, prompts=8, seed=3)
-    a = pr.run_chain(task, 32, engine="sdpa", **kw)
-    b = pr.run_chain(task, 32, engine="kernel", **kw)
+    a = al.run_chain(task, 32, engine="sdpa", **kw)
+    b = al.run_chain(task, 32, engine="kernel", **kw)
     assert np.max(np.abs(a.R - b.R)) < 1e-12 * np.max(np.abs(a.R))
     assert b.naive_excess == pytest.approx(a.naive_excess, rel=1e-10)
 
@@ -215,9 +215,9 @@ def test_engine_resolution_and_bad_input():
     with pytest.raises(ValueError, match="engine"):
         al.empirical_loss(torch.zeros(2, 9), torch.zeros(9, 9), torch.zeros(5, 9), torch.zeros(5, 2), engine="kernel")
     with pytest.raises(ValueError, match="engine"):
-        pr.PromptObjective(al.Task.random(2, 1, seed=0), 4, 2, al.make_generator(0), engine="numba")
+        al.optim.PromptObjective(al.Task.random(2, 1, seed=0), 4, 2, al.make_generator(0), engine="numba")
     with pytest.raises(ValueError, match="attention_dtype"):
-        pr.PromptObjective(al.Task.random(2, 1, seed=0), 4, 2, al.make_generator(0), attention_dtype="int8")
+        al.optim.PromptObjective(al.Task.random(2, 1, seed=0), 4, 2, al.make_generator(0), attention_dtype="int8")
     with pytest.raises(ValueError, match="^X"):
         K.kernel_loss(A, B, X.clone().requires_grad_(), Y)
     with pytest.raises(ValueError, match="^Y"):
@@ -264,7 +264,7 @@ def test_cuda_uses_sdpa_and_agrees_with_the_cpu_kernel():
     with pytest.raises(ValueError, match="engine"):
         K.resolve_engine("kernel", Xc)
     task = al.Task.random(4, 2, cond=10.0, signal=1.0, seed=0, device="cuda")
-    obj = pr.PromptObjective(task, 256, 4, al.make_generator(0))  # prompts are drawn on the CPU, then moved
+    obj = al.optim.PromptObjective(task, 256, 4, al.make_generator(0))  # prompts are drawn on the CPU, then moved
     A_, B_ = A.cuda().requires_grad_(), B.cuda().requires_grad_()
     loss = obj.attention_loss(A_, B_, Xc, Yc)
     gpu = (loss.detach(), *torch.autograd.grad(loss, (A_, B_)))

@@ -8,10 +8,17 @@ import torch
 
 import attnlib as al
 from attnlib import experiments as ex
-from attnlib import optimizers as opt
-from attnlib.train import METHODS, History
+from attnlib.optim import METHODS, History, grid
+from attnlib.optim import optimizers as opt
 
 F64 = torch.float64
+
+
+
+def _train_with_step(task, **kw):
+    """A population run and the step rule it used (its state is what the optimizer learned)."""
+    h = al.train_population(task, **kw)
+    return h, h.step_rule
 
 
 def _task(cond=1.0, seed=0):
@@ -87,21 +94,21 @@ def test_muon_update_has_a_fixed_spectral_norm():
 
 def test_muon_decay_schedule():
     task = _task()
-    h, st = opt.train_population_step(task, method="muon_decay", steps=5, lr=0.02)
+    h, st = _train_with_step(task, method="muon_decay", steps=5, lr=0.02)
     assert st.t == 5
     assert math.isclose(st.opt.param_groups[0]["lr"], 0.02 * opt.MUON_DECAY**4, rel_tol=1e-12)
-    _, st_c = opt.train_population_step(task, method="muon", steps=5, lr=0.02)
+    _, st_c = _train_with_step(task, method="muon", steps=5, lr=0.02)
     assert st_c.opt.param_groups[0]["lr"] == 0.02
 
 
 def test_preconditioner_slope_of_gd_and_structured():
     task = _task(cond=100.0)
-    _, st = opt.train_population_step(task, method="structured", steps=3, lr=0.3)
+    _, st = _train_with_step(task, method="structured", steps=3, lr=0.3)
     assert abs(opt.preconditioner_slope(st, task) + 1.0) < 1e-9
     assert abs(opt.preconditioner_slope(st, task, which=1) + 1.0) < 1e-9
-    _, st = opt.train_population_step(task, method="gd", steps=3, lr=1e-3)
+    _, st = _train_with_step(task, method="gd", steps=3, lr=1e-3)
     assert abs(opt.preconditioner_slope(st, task)) < 1e-12
-    _, st = opt.train_population_step(task, method="muon", steps=3, lr=1e-3)
+    _, st = _train_with_step(task, method="muon", steps=3, lr=1e-3)
     assert math.isnan(opt.preconditioner_slope(st, task))
     with pytest.raises(ValueError, match="which"):
         opt.preconditioner_map(st, 2)
@@ -111,17 +118,17 @@ def test_preconditioner_slope_of_a_known_kronecker_map():
     # Shampoo's map is L^-1/4 G R^-1/4: the slope is that of log(v_i^T R^-1/4 v_i) against log(lambda_i)
     task = _task(cond=50.0, seed=4)
     lam, V = torch.linalg.eigh(task.Sigma)
-    _, st = opt.train_population_step(task, method="shampoo_explained", steps=4, lr=0.05)
+    _, st = _train_with_step(task, method="shampoo_explained", steps=4, lr=0.05)
     R = st.opt.state[st.opt.param_groups[0]["params"][0]]["R"]
     Ri = opt.ExplainedShampoo.inv_root(R)
     q = torch.einsum("ji,jk,ki->i", V, Ri, V)
     want = np.polyfit(np.log(lam.numpy()), np.log(q.numpy()), 1)[0]
     assert abs(opt.preconditioner_slope(st, task) - want) < 1e-10
     # the library's Shampoo stores the same root
-    _, st2 = opt.train_population_step(task, method="shampoo", steps=4, lr=0.05)
+    _, st2 = _train_with_step(task, method="shampoo", steps=4, lr=0.05)
     assert abs(opt.preconditioner_slope(st2, task) - want) < 1e-8
     # a known diagonal Adam state: D = 1 / (sqrt(v_hat) + eps)
-    _, st3 = opt.train_population_step(task, method="adam", steps=4, lr=0.01)
+    _, st3 = _train_with_step(task, method="adam", steps=4, lr=0.01)
     P = opt.preconditioner_map(st3, 0)
     G = torch.ones(2, 4, dtype=F64)
     s = st3.opt.state[st3.opt.param_groups[0]["params"][0]]
@@ -148,7 +155,7 @@ def test_steps_to_and_max_after():
     assert opt.max_after(h, 1e-6) == 1e-5  # reached, then left again
     assert opt.max_after(h, 1e-10) == 1e-11
     assert opt.steps_to(h, 1e-20) is None and opt.max_after(h, 1e-20) is None
-    assert opt.log_excess_score(_hist([1.0, 1e-20])) == pytest.approx(-8.0)
+    assert grid.log_excess_score(_hist([1.0, 1e-20])) == pytest.approx(-8.0)
     with pytest.raises(ValueError, match="tol"):
         opt.steps_to(h, -1.0)
 
@@ -159,14 +166,14 @@ def test_grid_search_extends_until_interior():
         h.diverged = lr > 300
         return h
 
-    res = opt.grid_search(run, [0.01, 0.1, 1.0], score=lambda h: h.excess[-1])
+    res = grid.grid_search(run, [0.01, 0.1, 1.0], score=lambda h: h.excess[-1])
     assert res["position"] == "interior" and math.isclose(res["lr"], 10.0)
     assert len(res["lrs"]) == 5 and math.isclose(max(res["lrs"]), 100.0)
     # every run diverges above 1e-3: the grid moves down
-    res = opt.grid_search(lambda lr, on_divergence: _hist([1, 1]) if lr < 1e-3 else _div(), [0.01, 0.1, 1.0], extend=6)
+    res = grid.grid_search(lambda lr, on_divergence: _hist([1, 1]) if lr < 1e-3 else _div(), [0.01, 0.1, 1.0], extend=6)
     assert res["lr"] is not None and res["lr"] < 1e-3
     with pytest.raises(ValueError, match="lrs"):
-        opt.grid_search(run, [0.1, 1.0])
+        grid.grid_search(run, [0.1, 1.0])
 
 
 def _div():
@@ -177,7 +184,7 @@ def _div():
 
 def test_measure_at_the_structured_minimum():
     task = _task(cond=10.0)
-    h, _ = opt.train_population_step(task, method="structured", steps=120, lr=1.0)
+    h, _ = _train_with_step(task, method="structured", steps=120, lr=1.0)
     m = opt.measure(h, task, n=64, n_sequences=2)
     assert m["steps_1e-10"] <= 120 and m["max_after_1e-10"] <= 1e-10
     assert m["imbalance"] < 1e-8
@@ -318,18 +325,18 @@ def test_gradient_flow_conserves_the_query_key_gap():
 def test_train_prompts_is_seeded_and_the_structured_method_stays_balanced():
     task = _task(cond=10.0)
     init = ex.optimizer_start(task, "near", 0)
-    h1 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
-    h2 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=3)
-    h3 = opt.train_prompts(task, method="structured", n=16, prompts=4, steps=20, lr=0.3, init=init, seed=4)
+    h1 = al.train_prompts(task, 16, method="structured", prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h2 = al.train_prompts(task, 16, method="structured", prompts=4, steps=20, lr=0.3, init=init, seed=3)
+    h3 = al.train_prompts(task, 16, method="structured", prompts=4, steps=20, lr=0.3, init=init, seed=4)
     assert h1.loss == h2.loss and h1.loss != h3.loss
     assert opt.imbalance(h1.A, h1.B, task) < 1e-8  # the balancing renormalization, with the true Sigma
     assert h1.excess[-1] < h1.excess[0]
-    h = opt.train_prompts(task, method="adam", n=16, prompts=4, steps=20, lr=0.01, init=init, seed=3)
+    h = al.train_prompts(task, 16, method="adam", prompts=4, steps=20, lr=0.01, init=init, seed=3)
     assert not h.diverged and opt.imbalance(h.A, h.B, task) > 1e-6  # no renormalization: it leaves the balance
     with pytest.raises(ValueError, match="method"):
-        opt.train_prompts(task, method="lbfgs", n=16, prompts=4, steps=2, lr=0.1, init=init)
+        al.train_prompts(task, 16, method="lbfgs", prompts=4, steps=2, lr=0.1, init=init)
     with pytest.raises(ValueError, match="prompts"):
-        opt.train_prompts(task, method="gd", n=16, prompts=0, steps=2, lr=0.1, init=init)
+        al.train_prompts(task, 16, method="gd", prompts=0, steps=2, lr=0.1, init=init)
 
 
 def test_optimizers_prompts_sweep_quick_selects_on_fresh_prompts():
@@ -346,10 +353,12 @@ def test_train_prompts_counts_a_kernel_underflow_as_divergence(monkeypatch):
     def boom(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(opt, "_run_prompts", boom)
+    import attnlib.optim.api as api
+
+    monkeypatch.setattr(api, "fit", boom)
     task = _task()
     init = ex.optimizer_start(task, "near", 0)
-    h = opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init)
+    h = al.train_prompts(task, 16, method="gd", prompts=2, steps=3, lr=0.1, init=init, seed=0, on_divergence="stop")
     assert h.diverged and len(h.steps) == 0
     with pytest.raises(FloatingPointError, match="diverged"):
-        opt.train_prompts(task, method="gd", n=16, prompts=2, steps=3, lr=0.1, init=init, on_divergence="raise")
+        al.train_prompts(task, 16, method="gd", prompts=2, steps=3, lr=0.1, init=init, seed=0)

@@ -53,8 +53,8 @@ def test_control_variate_is_unbiased_and_reduces_the_variance(task):
     A, B, _ = al.random_manifold_point(task, seed=1)
     A, B = al.perturb(A, B, task, 0.4, seed=3)
     n, P, reps = 16, 8, 300
-    cv = pr.PromptObjective(task, n, P, al.make_generator(11), control_variate=True)
-    plain = pr.PromptObjective(task, n, P, al.make_generator(12), control_variate=False)
+    cv = al.optim.PromptObjective(task, n, P, al.make_generator(11), control_variate=True)
+    plain = al.optim.PromptObjective(task, n, P, al.make_generator(12), control_variate=False)
     g_cv, g_pl = _grads(cv, A, B, reps), _grads(plain, A, B, reps)
     assert cv.calls == reps and plain.calls == reps
     diff = g_cv.mean(0) - g_pl.mean(0)
@@ -117,33 +117,33 @@ def test_excess_ustat_is_unbiased_where_the_naive_estimate_is_not():
 
 def test_chain_is_reproducible_and_stays_near_the_minimum_set(task):
     kw = dict(steps=12, burn_in=4, prompts=8, seed=3)
-    a = pr.run_chain(task, 16, **kw)
-    b = pr.run_chain(task, 16, **kw)
+    a = al.run_chain(task, 16, **kw)
+    b = al.run_chain(task, 16, **kw)
     assert np.array_equal(a.R, b.R) and a.batches == 13
     assert a.R.shape == (2, 3) and 0 < a.naive_excess < 0.05
     assert a.test_excess > 0  # the finite layer at length 16 is worse than its limit
     assert a.history.steps == [0, 10, 12]
-    c = pr.run_chain(task, 16, mode="cap", kappa=0.2, **kw)
-    assert c.scale == pytest.approx(0.2, rel=1e-6)  # the cap holds the softmax scale
-    assert a.scale == pytest.approx(float(task.svd[1][0]), rel=0.15)  # balance: s_1 of the product, near s_1(T)
+    c = al.run_chain(task, 16, renormalize="cap", nu_cap=0.2, **kw)
+    assert c.nu == pytest.approx(0.2, rel=1e-6)  # the cap holds the softmax scale
+    assert a.nu == pytest.approx(float(task.svd[1][0]), rel=0.15)  # balance: s_1 of the product, near s_1(T)
 
 
 def test_chain_on_the_population_limit_is_exact():
     """With a very long context the finite-n correction vanishes: a chain from the minimum stays there."""
     task = al.Task.random(2, 1, cond=2.0, signal=0.2, seed=0)
-    r = pr.run_chain(task, 512, steps=6, burn_in=2, prompts=2, seed=0)
+    r = al.run_chain(task, 512, steps=6, burn_in=2, prompts=2, seed=0)
     assert r.naive_excess < 1e-4
 
 
 def test_validation(task):
     with pytest.raises(ValueError, match="burn_in"):
-        pr.run_chain(task, 16, steps=5, burn_in=5, prompts=2, seed=0)
+        al.run_chain(task, 16, steps=5, burn_in=5, prompts=2, seed=0)
     with pytest.raises(ValueError, match="X"):
         pr.batched_attention(torch.eye(2), torch.eye(2), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="task"):
         pr.sample_prompts("task", 4, 2, seed=0)
     with pytest.raises(ValueError, match="seed"):
-        pr.run_chain(task, 16, steps=5, burn_in=1, prompts=2)
+        al.run_chain(task, 16, steps=5, burn_in=1, prompts=2)
 
 
 def test_float32_attention_leaves_the_estimator_unchanged(task):
@@ -152,7 +152,7 @@ def test_float32_attention_leaves_the_estimator_unchanged(task):
     kw = dict(steps=16, burn_in=6, prompts=8)
     R = {}
     for dtype in (torch.float64, torch.float32):
-        R[dtype] = [pr.run_chain(task, 32, seed=100 + c, attention_dtype=dtype, **kw).R for c in range(6)]
+        R[dtype] = [al.run_chain(task, 32, seed=100 + c, attention_dtype=dtype, **kw).R for c in range(6)]
     e64, e32 = pr.excess_ustat(R[torch.float64], task), pr.excess_ustat(R[torch.float32], task)
     assert e64["se"] > 0 and abs(e32["excess"] - e64["excess"]) < 1e-3 * e64["se"]
     assert e32["se"] == pytest.approx(e64["se"], rel=1e-3)

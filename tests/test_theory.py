@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from attnlib.geometry import renormalize
 
 import attnlib as al
 from attnlib import fixedpoint as fp
 from attnlib import prompts as pr
 from attnlib import theory as th
-from attnlib.renorm import renormalize_scaled
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def task():
 
 def _point(task, kappa, radius, seed=3):
     A, B = al.manifold_point(task, task.svd[2])
-    A, B = renormalize_scaled(A, B, task, "fix", kappa)
+    A, B = renormalize(A, B, task, "fix", kappa)
     return al.perturb(A, B, task, radius, seed=seed) if radius else (A, B)
 
 
@@ -65,7 +65,7 @@ def test_d1_gradient_matches_the_finite_n_gradient(task):
     A, B = _point(task, 0.05, 0.2)
     A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()
     gD = torch.cat([g.ravel() for g in torch.autograd.grad(th.d1(A_, B_, task), (A_, B_))]).numpy()
-    obj = pr.PromptObjective(task, 128, 1000, al.make_generator(7))
+    obj = al.optim.PromptObjective(task, 128, 1000, al.make_generator(7))
     gs = []
     for _ in range(8):
         A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()

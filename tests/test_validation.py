@@ -99,7 +99,7 @@ def test_unknown_method_init_and_options(ok):
         al.train_population(task, steps=1, lr=0.1, method="sgd")
     with pytest.raises(ValueError, match="batch_size"):
         al.train(X, Y, steps=1, lr=0.1, method="sgd", batch_size=1000)
-    with pytest.raises(ValueError, match="mode: expected 'scale' or 'balance'"):
+    with pytest.raises(ValueError, match="renormalize: expected one of"):
         al.renormalize(A, B, task, "shrink")
 
 

@@ -47,9 +47,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
-from ..attention import attention_reference, empirical_loss
 from ..fits import fit_geometric_rate, fit_power_law
 from ..geometry import p_norm, regularizer, renormalize, to_factor
+from ..layer import attention_reference, empirical_loss
 from ..task import Task
 from . import hidden
 from .hidden import ExerciseError
@@ -57,6 +57,8 @@ from .hidden import ExerciseError
 __all__ = ["ExerciseError", "Exercise", "EXERCISES", "check", "solved", "compare", "judge", "hidden_cases"]
 
 DTYPE = torch.float64
+#: The training code, forbidden in every exercise that asks for a piece of it (its step rules, loop and presets).
+_TRAINING = ("attnlib.optim.api.*", "attnlib.optim.loop.*", "attnlib.optim.steps.*", "attnlib.optim.objectives.*")
 
 
 @dataclass(frozen=True)
@@ -252,9 +254,9 @@ EXERCISES: Dict[str, Exercise] = {
             "the same constant is subtracted from all the scores of a row",
             reference=attention_reference,
             forbidden=(
-                "attnlib.attention.attention",
-                "attnlib.attention.attention_reference",
-                "attnlib.attention.attention_weights",
+                "attnlib.layer.attention",
+                "attnlib.layer.attention_reference",
+                "attnlib.layer.attention_weights",
                 "attnlib.finite_n.*",
                 "attnlib.landscape.*",
                 "attnlib.prompts.*",
@@ -268,11 +270,11 @@ EXERCISES: Dict[str, Exercise] = {
             "each k-dimensional residual (do not divide by n k)",
             reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
             forbidden=(
-                "attnlib.attention.empirical_loss",
+                "attnlib.layer.empirical_loss",
                 "attnlib.finite_n.*",
                 "attnlib.landscape.*",
                 "attnlib.prompts.*",
-                "attnlib.train.*",
+                *_TRAINING,
             ),
         ),
         Exercise(
@@ -287,7 +289,7 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.task.Task.population_loss",
                 "attnlib.task.Task.residual",
                 "attnlib.landscape.*",
-                "attnlib.train.*",
+                *_TRAINING,
             ),
         ),
         Exercise(
@@ -301,7 +303,7 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.task.Task.population_grad",
                 "attnlib.task.Task.excess_risk",
                 "attnlib.task.Task.population_loss",
-                "attnlib.train.*",
+                *_TRAINING,
                 "attnlib.landscape.*",
             ),
         ),
@@ -359,8 +361,13 @@ EXERCISES: Dict[str, Exercise] = {
             _cases_factor,
             "find the one scalar c for which At / c and c C have equal Frobenius norms, and carry the "
             "rescaling back to (A, B)",
-            reference=lambda A, B, S: renormalize(A, B, S, mode="scale"),
-            forbidden=("attnlib.geometry.renormalize", "attnlib.renorm.*", "attnlib.train.*"),
+            reference=lambda A, B, S: renormalize(A, B, S, mode="equalize"),
+            forbidden=(
+                "attnlib.geometry.renormalize",
+                "attnlib.geometry.Renormalization.__call__",
+                "attnlib.geometry._equalize",
+                *_TRAINING,
+            ),
         ),
         Exercise(
             "5.2",
@@ -368,7 +375,7 @@ EXERCISES: Dict[str, Exercise] = {
             lambda seed=0: _cases_population(seed, with_lr=True),
             "write a plain gradient step in factor coordinates and carry it back to (A, B) with the chain rule",
             reference=_precond_step,
-            forbidden=("attnlib.train.*", "attnlib.renorm.*"),
+            forbidden=_TRAINING,
         ),
         Exercise(
             "6.1",
@@ -441,7 +448,7 @@ EXERCISES.update(
                 "(raise the eigenvalues to the power -1/4); L acts on the left of G, R on the right",
                 reference=_shampoo_direction,
                 rtol=1e-7,
-                forbidden=("attnlib.optimizers.*", "attnlib.linalg.*"),
+                forbidden=("attnlib.optim.optimizers.*", "attnlib.linalg.*"),
             ),
             Exercise(
                 "7.2",
@@ -451,7 +458,7 @@ EXERCISES.update(
                 "singular value by 1; the result must not depend on the size of G",
                 reference=_orthogonalize,
                 rtol=1e-7,
-                forbidden=("attnlib.optimizers.*", "attnlib.linalg.*"),
+                forbidden=("attnlib.optim.optimizers.*", "attnlib.linalg.*"),
             ),
         )
     }

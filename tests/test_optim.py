@@ -1,11 +1,11 @@
-"""Training engine: the four methods, ablation switches, population runs, preconditioning."""
+"""attnlib.optim: one config, one entry point, the methods, ablation switches, population runs, preconditioning."""
 
 import numpy as np
 import pytest
 import torch
 
 import attnlib as al
-from attnlib.train import METHODS, GradientStep, Method, register_method
+from attnlib.optim import METHODS, GradientStep, Method, register_method
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_every_method_runs_and_records(data, method, lr):
 
 def test_structured_decreases_the_regularized_objective(data):
     task, X, Y = data
-    A, B = al.random_init(4, 2, scale=0.5, seed=3)
+    A, B = al.random_init(4, 2, std=0.5, seed=3)
     h = al.train(X, Y, steps=40, lr=0.3, init=(A, B), task=task)
     assert h.objective[-1] < 0.5 * h.objective[0]
     assert h.config["regularize"] and h.config["precondition"] and h.config["renormalize"] == "balance"
@@ -38,10 +38,10 @@ def test_structured_decreases_the_regularized_objective(data):
 
 def test_component_switches_change_the_iterates(data):
     task, X, Y = data
-    init = al.random_init(4, 2, scale=0.5, seed=3)
+    init = al.random_init(4, 2, std=0.5, seed=3)
     base = al.train(X, Y, steps=5, lr=0.2, init=init)
     assert base.config["renormalize"] == "balance"
-    for kw in ({"precondition": False}, {"renormalize": False}, {"renormalize": "scale"}):
+    for kw in ({"precondition": False}, {"renormalize": False}, {"renormalize": "equalize"}):
         other = al.train(X, Y, steps=5, lr=0.2, init=init, **kw)
         assert not torch.allclose(other.A, base.A), kw
     # from a balanced start (spectral) with balancing renormalization every iterate is balanced,
@@ -72,7 +72,7 @@ def test_balancing_renormalisation_keeps_iterates_on_the_balanced_set(data):
 def test_preconditioned_gd_is_gd_on_whitened_tokens(data):
     """Affine equivariance: the preconditioned step is plain GD on X Sigmahat^(-1/2) (same Y)."""
     task, X, Y = data
-    init = al.random_init(4, 2, scale=0.5, seed=3)
+    init = al.random_init(4, 2, std=0.5, seed=3)
     pre = al.train(X, Y, steps=10, lr=0.2, method="gd", init=init, precondition=True, task=task)
     white = al.train(X, Y, steps=10, lr=0.2, method="gd", init=init, whiten=True, task=task)
     plain = al.train(X, Y, steps=10, lr=0.2, method="gd", init=init, task=task)
@@ -92,7 +92,7 @@ def test_a_new_method_is_one_registered_step(data):
 
     register_method(Method("half-gd", lambda lr, c: HalfStep(lr, c["precondition"])))
     try:
-        init = al.random_init(4, 2, scale=0.5, seed=3)
+        init = al.random_init(4, 2, std=0.5, seed=3)
         half = al.train(X, Y, steps=6, lr=0.2, method="half-gd", init=init, task=task)
         gd = al.train(X, Y, steps=6, lr=0.1, method="gd", init=init, task=task)
         assert torch.allclose(half.A, gd.A, atol=1e-12) and half.excess == pytest.approx(gd.excess)
@@ -115,21 +115,21 @@ def test_sgd_is_reproducible_from_its_seed(data):
 
 def test_random_init_is_seeded(data):
     task, X, Y = data
-    h1 = al.train(X, Y, steps=0, lr=0.1, init="random", seed=1, init_scale=0.1)
-    h2 = al.train(X, Y, steps=0, lr=0.1, init="random", seed=1, init_scale=0.1)
+    h1 = al.train(X, Y, steps=0, lr=0.1, init="random", seed=1, init_std=0.1)
+    h2 = al.train(X, Y, steps=0, lr=0.1, init="random", seed=1, init_std=0.1)
     assert torch.equal(h1.A, h2.A)
     assert float(h1.A.abs().max()) < 1.0
 
 
 def test_divergence_raises_or_stops(data):
     task, X, Y = data
-    init = al.random_init(4, 2, scale=1.0, seed=0)
+    init = al.random_init(4, 2, std=1.0, seed=0)
     with pytest.raises(al.DivergenceError, match="lower lr"):
         al.train_population(task, steps=200, lr=1e4, method="gd", init=init)
     h = al.train_population(task, steps=200, lr=1e4, method="gd", init=init, on_divergence="stop")
     assert h.diverged and len(h) < 201
     assert torch.isfinite(h.A).all() and torch.isfinite(h.B).all()  # the last finite iterate
-    h = al.train_population(task, steps=200, lr=1e4, init=init, renormalize="scale", on_divergence="stop")
+    h = al.train_population(task, steps=200, lr=1e4, init=init, renormalize="equalize", on_divergence="stop")
     assert h.diverged and torch.isfinite(h.A).all()
 
 
@@ -192,7 +192,7 @@ def test_train_on_cuda(data):
 
 def test_best_of_grid_picks_the_lowest_score_and_skips_divergence(data):
     task = data[0]
-    init = al.random_init(4, 2, scale=1.0, seed=0)
+    init = al.random_init(4, 2, std=1.0, seed=0)
     run = lambda **kw: al.train_population(task, steps=50, method="gd", init=init, **kw)
     best = al.best_of_grid(run, [1e-3, 1e-2, 1e4])
     assert best.config["lr"] == 1e-2 and not best.diverged
@@ -205,7 +205,7 @@ def _tokens_task(task, G):
     return al.Task(G.T @ task.Sigma @ G, task.M @ torch.linalg.inv(G).T, task.noise_std)
 
 
-@pytest.mark.parametrize("renormalize", ["balance", "scale", False])
+@pytest.mark.parametrize("renormalize", ["balance", "equalize", False])
 def test_structured_method_is_affine_equivariant(data, renormalize):
     """Training on X G and mapping back with (A G^T, G B G^T) gives the iterates of training on X."""
     task, X, Y = data
@@ -248,10 +248,10 @@ def test_diverging_structured_run_is_flagged_not_reset(data):
 
 
 def test_grid_cache_stores_replays_and_detects_stale_files(data, tmp_path, monkeypatch):
-    from attnlib.train import GridCache
+    from attnlib.optim import GridCache
 
     task = data[0]
-    init = al.random_init(4, 2, scale=1.0, seed=0)
+    init = al.random_init(4, 2, std=1.0, seed=0)
     calls = []
 
     def run(**kw):
@@ -295,7 +295,7 @@ def test_grid_cache_tells_round_off_amplification_from_a_changed_code(tmp_path, 
     A stored score from another CPU's arithmetic lies within that spread and is accepted (and listed in
     ``amplified``); a non-amplifying run with a stored score off by 1e-4 still raises.
     """
-    from attnlib.train import GridCache
+    from attnlib.optim import GridCache
 
     monkeypatch.delenv("ATTNLIB_REFRESH_GRIDS", raising=False)
     t = al.Task.random(d=6, k=3, cond=100, signal=1.0, seed=0)
@@ -336,3 +336,52 @@ def test_grid_cache_tells_round_off_amplification_from_a_changed_code(tmp_path, 
     stale.entries["calm"]["scores"][k] *= 1 + 1e-4
     with pytest.raises(RuntimeError, match="no longer matches"):
         stale.best("calm", calm, [0.003, 0.01, 0.03], score=score)
+
+
+def test_one_config_one_entry_point(data):
+    """A preset is fit() on the objective it builds: the same run from a TrainConfig, from keywords, and by hand."""
+    task, X, Y = data
+    cfg = al.optim.TrainConfig(steps=5, lr=0.3)
+    h_cfg = al.train(X, Y, cfg, task=task)
+    h_kw = al.train(X, Y, steps=5, lr=0.3, task=task)
+    obj = al.optim.empirical_objective(X, Y).with_regularizer(cfg.lam)
+    h_fit = al.fit(obj, cfg, al.spectral_init(X, Y), task=task)
+    for h in (h_kw, h_fit):
+        assert h.excess == h_cfg.excess and torch.equal(h.A, h_cfg.A) and torch.equal(h.B, h_cfg.B)
+    h_over = al.train(X, Y, cfg, task=task, lr=0.1)  # a config plus overrides
+    assert h_over.config["lr"] == 0.1 and h_over.excess != h_cfg.excess
+    assert cfg.use_regularizer and cfg.use_preconditioner and cfg.renormalization == "balance"
+    capped = al.optim.TrainConfig(steps=5, lr=0.3, renormalize="cap", nu_cap=0.25)
+    assert not capped.use_regularizer and capped.renormalization == "cap"
+    assert al.optim.TrainConfig(steps=1, lr=1.0, method="gd").renormalization is None
+
+
+def test_config_is_validated_once_with_one_line_errors(data):
+    task, X, Y = data
+    cases = [
+        (dict(steps=5, lr=0.1, lrate=0.2), "lrate"),
+        (dict(lr=0.1), "steps"),
+        (dict(steps=5, lr=-1.0), "lr"),
+        (dict(steps=5, lr=0.1, renormalize="scale"), "renormalize"),
+        (dict(steps=5, lr=0.1, renormalize="cap"), "nu_cap"),
+        (dict(steps=5, lr=0.1, nu_cap=0.2), "nu_cap"),
+        (dict(steps=5, lr=0.1, on_divergence="ignore"), "on_divergence"),
+        (dict(steps=5, lr=0.1, method="lbfgs"), "method"),
+        (dict(steps=5, lr=0.1, init="zeros"), "init"),
+    ]
+    for options, name in cases:
+        with pytest.raises(ValueError, match=name) as err:
+            al.train(X, Y, task=task, **options)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="config"):
+        al.train(X, Y, {"steps": 5})
+    with pytest.raises(ValueError, match="burn_in"):
+        al.run_chain(task, 8, steps=5, burn_in=5, prompts=2)
+
+
+def test_hooks_are_composed_not_subclassed(data):
+    task, X, Y = data
+    snaps, seen = al.optim.Snapshots(), []
+    h = al.train(X, Y, steps=6, lr=0.3, record_every=2, hooks=(snaps, lambda t, A, B, loss, rec: seen.append(t)))
+    assert seen == list(range(7)) and len(snaps.iterates) == len(h.steps) == 4
+    assert torch.equal(snaps.iterates[-1][0], h.A)

@@ -1,13 +1,13 @@
 r"""Practitioners' optimizers on the book's objectives, through the one training loop.
 
-:class:`OptimizerStep` is a step rule (:class:`attnlib.train.Step`) that wraps any
-``torch.optim.Optimizer`` over the two parameters ``A`` and ``B``: the loop of
-:func:`attnlib.train.run` evaluates the full objective and its gradient, the step rule hands the
-gradient to the optimizer and calls ``optimizer.step()``, with an optional step-size schedule.
-Importing this module registers (:func:`attnlib.train.register_method`) the methods
+Any ``torch.optim.Optimizer`` over the two parameters ``A`` and ``B`` is a step rule
+(:class:`attnlib.optim.TorchOptimizerStep`): the loop evaluates the full objective and its gradient,
+the step rule hands the gradient to the optimizer and calls ``optimizer.step()``, with an optional
+step-size schedule. Importing this module (``attnlib.optim`` does) registers
+(:func:`attnlib.optim.register_method`) the methods
 
 * ``"adamw"``: ``torch.optim.AdamW`` (torch's defaults: betas (0.9, 0.999), eps 1e-8, decoupled
-  weight decay 0.01); ``"adam"`` (``torch.optim.Adam``) is already a method of :mod:`attnlib.train`;
+  weight decay 0.01); ``"adam"`` (``torch.optim.Adam``) is already a method of :mod:`attnlib.optim.steps`;
 * ``"muon"``: ``torch.optim.Muon`` at a constant step (momentum 0.95, Nesterov, five quintic
   Newton-Schulz iterations in bfloat16, weight decay 0, torch's shape adjustment of the step);
   Muon is defined for 2-D parameters only, which ``A`` (k x d) and ``B`` (d x d) are;
@@ -24,34 +24,33 @@ Importing this module registers (:func:`attnlib.train.register_method`) the meth
 The measurements of chapter 7: :func:`steps_to` and :func:`max_after` (steps to an excess
 threshold, and whether the excess stays below it afterwards), :func:`preconditioner_slope` (the
 learned preconditioner's log-slope over the eigenvectors of ``Sigma``: the structured method's is
-``-1``, plain gradient descent's ``0``), :func:`imbalance`, and :func:`measure`, which adds the
-softmax scale ``nu`` (:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context
-length ``n`` (:func:`attnlib.finite_n.heldout_loss`). :func:`grid_search` selects a step size from
-a log grid and extends the grid until the selected step is interior.
+``-1``, plain gradient descent's ``0``; the run's ``History.step_rule`` holds what it learned),
+:func:`imbalance`, and :func:`measure`, which adds the softmax scale ``nu``
+(:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context length ``n``
+(:func:`attnlib.finite_n.heldout_loss`). Step sizes come from :func:`attnlib.optim.grid.grid_search`.
 
 The parameterization practitioners train: :func:`train_factored` runs the four factors
 ``B = W_Q^T W_K``, ``A = W_O W_V`` (head dimension ``d_h``) on the population objective through a thin loop over
 ``torch.optim`` (:func:`factored_start`, :func:`factored_balanced`, :func:`factored_imbalance`,
-:func:`measure_factored`). Regime (ii): :func:`train_prompts` runs any registered method on ``L_n`` with fresh
-prompts at every step.
+:func:`measure_factored`). Regime (ii) for any method is :func:`attnlib.optim.train_prompts`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
 
-from ._validate import check_nonneg_float, check_positive_int
-from .finite_n import heldout_loss, softmax_scale
-from .geometry import to_factor
-from .task import Task, as_covariance
-from .train import METHODS, GradientStep, History, Method, Step, register_method, train_population
+from .._validate import check_nonneg_float, check_positive_int
+from ..finite_n import heldout_loss, softmax_scale
+from ..geometry import to_factor
+from ..task import Task, as_covariance
+from .loop import History
+from .steps import GradientStep, Method, Step, TorchOptimizerStep, register_method
 
 __all__ = [
-    "OptimizerStep",
     "ExplainedShampoo",
     "OPTIMIZERS",
     "MUON_DECAY",
@@ -62,10 +61,7 @@ __all__ = [
     "imbalance",
     "steps_to",
     "max_after",
-    "log_excess_score",
-    "grid_search",
     "measure",
-    "train_population_step",
     "FACTOR_METHODS",
     "factored_product",
     "factored_start",
@@ -73,7 +69,6 @@ __all__ = [
     "factored_imbalance",
     "train_factored",
     "measure_factored",
-    "train_prompts",
 ]
 
 #: Per-step decay factor of ``"muon_decay"``'s step size.
@@ -162,39 +157,12 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return OPTIMIZERS[name](params, check_nonneg_float(lr, "lr", positive=True))
 
 
-class OptimizerStep(Step):
-    """A step rule around a ``torch.optim.Optimizer`` over ``[A, B]``.
-
-    ``make(params, lr)`` builds the optimizer at the first update; ``schedule(t)`` (optional)
-    multiplies the step size of update ``t``. The gradient of the full objective that
-    :func:`attnlib.train.run` computed is handed to the optimizer as ``.grad`` (a copy: some
-    optimizers change it in place).
-    """
-
-    def __init__(self, lr: float, make: Callable, schedule: Optional[Callable[[int], float]] = None):
-        self.lr, self.make, self.schedule = lr, make, schedule
-        self.opt: Optional[torch.optim.Optimizer] = None
-        self.t = 0
-
-    def update(self, objective, A, B, grads) -> None:
-        if self.opt is None:
-            self.opt = self.make([A, B], self.lr)
-        if self.schedule is not None:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * self.schedule(self.t)
-        with torch.no_grad():
-            A.grad, B.grad = grads[0].clone(), grads[1].clone()
-            self.opt.step()
-        A.grad = B.grad = None
-        self.t += 1
-
-
 def _register():
     for name, make in OPTIMIZERS.items():
         register_method(
             Method(
                 name,
-                (lambda m, s: lambda lr, ctx: OptimizerStep(lr, m, s))(make, SCHEDULES.get(name)),
+                (lambda m, s: lambda lr, ctx: TorchOptimizerStep(lr, m, s))(make, SCHEDULES.get(name)),
                 preconditionable=False,
             )
         )
@@ -307,65 +275,6 @@ def max_after(h: History, tol: float) -> Optional[float]:
     return float(max(h.excess[i:]))
 
 
-def log_excess_score(h: History, floor: float = 1e-16) -> float:
-    """Mean of ``log10(max(excess, floor))`` over the recorded steps (lower is better; the step-size criterion).
-
-    It rewards reaching a small excess early and staying there: a run that stalls at a floor, or
-    leaves a tight excess again, scores worse than one that keeps converging.
-    """
-    e = np.maximum(np.asarray(h.excess, dtype=float), floor)
-    return float(np.mean(np.log10(e)))
-
-
-def grid_search(
-    run: Callable[..., History],
-    lrs: Sequence[float],
-    *,
-    score: Callable[[History], float] = log_excess_score,
-    extend: int = 4,
-) -> Dict[str, object]:
-    """Run ``run(lr=lr, on_divergence="stop")`` on the log grid ``lrs`` and select the best step.
-
-    Diverged runs are disqualified. While the selected step is the lowest or the highest of the
-    grid, the grid is extended by one point beyond that end (same log spacing), at most ``extend``
-    times (when every run diverged: towards smaller steps). Returns ``dict(best=History or None,
-    lrs=[...], scores=[... or None], lr=selected,
-    position="interior"|"lowest"|"highest")``.
-    """
-    grid = sorted(float(x) for x in lrs)
-    if len(grid) < 3 or any(not math.isfinite(x) or x <= 0 for x in grid):
-        raise ValueError(f"lrs: expected at least 3 positive step sizes, got {lrs!r}")
-    ratio = grid[1] / grid[0]
-    extend = check_positive_int(extend, "extend", minimum=0)
-    results: Dict[float, Optional[History]] = {}
-    scores: Dict[float, Optional[float]] = {}
-
-    def ev(lr):
-        h = run(lr=lr, on_divergence="stop")
-        results[lr] = None if h.diverged else h
-        scores[lr] = None if h.diverged else float(score(h))
-
-    for lr in grid:
-        ev(lr)
-    for _ in range(extend):
-        ok = {lr: s for lr, s in scores.items() if s is not None}
-        lo, hi = min(scores), max(scores)
-        lr_best = min(ok, key=lambda x: (ok[x], x)) if ok else lo  # all diverged: smaller steps
-        if lr_best == lo:
-            ev(lo / ratio)
-        elif lr_best == hi:
-            ev(hi * ratio)
-        else:
-            break
-    ok = {lr: s for lr, s in scores.items() if s is not None}
-    lrs_sorted = sorted(scores)
-    if not ok:
-        return dict(best=None, lrs=lrs_sorted, scores=[None] * len(lrs_sorted), lr=None, position="none")
-    lr_best = min(ok, key=lambda x: (ok[x], x))
-    pos = "lowest" if lr_best == lrs_sorted[0] else "highest" if lr_best == lrs_sorted[-1] else "interior"
-    return dict(best=results[lr_best], lrs=lrs_sorted, scores=[scores[x] for x in lrs_sorted], lr=lr_best, position=pos)
-
-
 def measure(h: History, task: Task, *, n: int = 256, n_sequences: int = 4, seed: int = 0) -> Dict[str, float]:
     """What a finished run ended at: convergence measures, imbalance, softmax scale, held-out loss.
 
@@ -387,29 +296,6 @@ def measure(h: History, task: Task, *, n: int = 256, n_sequences: int = 4, seed:
     out["heldout"] = heldout_loss(h.A, h.B, task, n, n_sequences=n_sequences, seed=seed) - task.bayes_risk
     out["time_per_step"] = h.time[-1] / max(h.steps[-1], 1)
     return out
-
-
-def train_population_step(task: Task, *, method: str, **kwargs):
-    """:func:`attnlib.train.train_population` that also returns the step rule it used: ``(History, Step)``.
-
-    The step rule's state is what the optimizer learned (its preconditioner, for
-    :func:`preconditioner_slope`). The method's registry entry is wrapped for the call and restored.
-    """
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {tuple(METHODS)}, got {method!r}")
-    spec = METHODS[method]
-    box: List[Step] = []
-
-    def make(lr, ctx):
-        box.append(spec.make_step(lr, ctx))
-        return box[-1]
-
-    METHODS[method] = Method(spec.name, make, spec.structured, spec.needs_samples, spec.preconditionable)
-    try:
-        h = train_population(task, method=method, **kwargs)
-    finally:
-        METHODS[method] = spec
-    return h, box[-1]
 
 
 # ----------------------------------------------------------------------------- four factors (query, key, value, output)
@@ -582,73 +468,3 @@ def measure_factored(h: History, task: Task) -> Dict[str, float]:
     out["nu"] = softmax_scale(h.A, h.B, task)
     out["nu_over_s1"] = out["nu"] / float(task.svd[1][0])
     return out
-
-
-# ----------------------------------------------------------------------------- regime (ii): fresh prompts
-
-
-def train_prompts(
-    task: Task,
-    *,
-    method: str,
-    n: int,
-    prompts: int,
-    steps: int,
-    lr: float,
-    init,
-    seed: int = 0,
-    record_every: int = 1,
-    on_divergence: str = "stop",
-) -> History:
-    r"""Train ``(A, B)`` on the regime-(ii) objective ``L_n`` with any registered method, through the one loop.
-
-    Every update draws ``prompts`` fresh prompts of ``n`` tokens (:class:`attnlib.prompts.PromptObjective`, control
-    variate on, its generator seeded with ``seed``); the step rule is the method's (``"structured"``: the
-    ``Sigma^{-1}`` preconditioner and the balancing renormalization with the true ``Sigma``, which infinitely many
-    prompts reveal; no regularizer). ``History.loss`` is the training loss (the estimate of ``L_n`` on that step's
-    prompts), ``excess`` the population excess of the limit map. A run whose parameters blow up so far that the
-    moment kernel's softmax sums underflow (``ZeroDivisionError``) counts as diverged (``on_divergence="stop"``:
-    an empty History with ``diverged`` set; ``"raise"``: ``FloatingPointError``).
-    """
-    from .prompts import PromptObjective
-    from .train import Objective, _execute, _resolve_flags
-
-    spec, _, precondition, renormalize = _resolve_flags(method, False, None, None)
-    n, prompts = check_positive_int(n, "n"), check_positive_int(prompts, "prompts")
-    steps = check_positive_int(steps, "steps")
-    lr = check_nonneg_float(lr, "lr", positive=True)
-    A = init[0].to(task.Sigma)
-    B = init[1].to(task.Sigma)
-    loss = PromptObjective(task, n, prompts, torch.Generator().manual_seed(int(seed)))
-    objective = Objective(loss, geometry=task)
-    config = dict(method=method, n=n, prompts=prompts, steps=steps, lr=lr, seed=int(seed), objective="L_n")
-    try:
-        return _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed,
-                            task, record_every, on_divergence, config)  # fmt: skip
-    except ZeroDivisionError as exc:  # the moment kernel's softmax sum underflows once the parameters blow up
-        if on_divergence == "raise":
-            raise FloatingPointError(f"{method} diverged on L_n (lr = {lr:g}): {exc}") from exc
-        h = History(method=method, config=config, A=A, B=B, diverged=True)
-        return h
-
-
-def _run_prompts(_execute, method, spec, objective, A, B, lr, steps, precondition, renormalize, seed, task,
-                 record_every, on_divergence, config):  # fmt: skip
-    return _execute(
-        method,
-        spec,
-        objective,
-        A,
-        B,
-        lr=lr,
-        steps=steps,
-        precondition=precondition,
-        renormalize=renormalize,
-        batch_size=None,
-        seed=seed,
-        task=task,
-        record_every=record_every,
-        progress=False,
-        on_divergence=on_divergence,
-        config=config,
-    )

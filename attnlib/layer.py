@@ -63,6 +63,11 @@ def attention(A, B, X, queries=None) -> torch.Tensor:
     ``X``, ``A``, ``B`` and ``queries``.
     """
     X, A, B, Q = _check_layer(A, B, X, queries)
+    return _attention(A, B, X, Q)
+
+
+def _attention(A, B, X, Q) -> torch.Tensor:
+    """:func:`attention` without the checks (validated tensors of one dtype and device)."""
     q = (Q @ B)[None, None]  # (1, 1, m, d): row i is (B^T q_i)^T
     kv = X[None, None]  # (1, 1, n, d)
     out = F.scaled_dot_product_attention(q, kv, kv, scale=1.0)[0, 0]
@@ -133,9 +138,20 @@ def empirical_loss(
         if queries.dim() != 1 or queries.numel() == 0 or int(queries.min()) < 0 or int(queries.max()) >= X.shape[0]:
             raise ValueError(f"queries: expected a 1-d LongTensor of row indices in 0 .. {X.shape[0] - 1}")
         return _kernel_loss_unchecked(A, B, X[None], Y[queries][None], X[queries][None])
-    layer = attention if fused else attention_reference
+    if fused:
+        X, A, B, _ = _check_layer(A, B, X, None)
+        return _empirical_loss(A, B, X, Y, queries)
     if queries is None:
-        out, target = layer(A, B, X), Y
+        out, target = attention_reference(A, B, X), Y
     else:
-        out, target = layer(A, B, X, queries=X[queries]), Y[queries]
+        out, target = attention_reference(A, B, X, queries=X[queries]), Y[queries]
+    return 0.5 * torch.sum((out - target) ** 2) / out.shape[0]
+
+
+def _empirical_loss(A, B, X, Y, queries=None) -> torch.Tensor:
+    """The fused SDPA path of :func:`empirical_loss` without the checks (validated tensors of one dtype)."""
+    if queries is None:
+        out, target = _attention(A, B, X, X), Y
+    else:
+        out, target = _attention(A, B, X, X[queries]), Y[queries]
     return 0.5 * torch.sum((out - target) ** 2) / out.shape[0]
