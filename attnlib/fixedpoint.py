@@ -199,6 +199,44 @@ def _stable_step(J: torch.Tensor, r: torch.Tensor, floor: float) -> torch.Tensor
     return (V @ (f * c)).real
 
 
+def _start(gmap, v0, warmup: int) -> torch.Tensor:
+    """The Newton start: ``v0`` (flattened, checked) or the spectral initialization after ``warmup`` steps of ``G``."""
+    if v0 is None:
+        v = gmap.from_params(*spectral_init(gmap.X, gmap.Y))
+        return gmap.iterate(v, warmup)[-1]
+    ref = gmap.X if isinstance(gmap, SequenceMap) else torch.zeros((), dtype=torch.float64)
+    v = torch.as_tensor(v0).to(ref).detach().reshape(-1)
+    if v.numel() != gmap.size:
+        raise ValueError(f"v0: expected {gmap.size} entries (k d + d^2), got {v.numel()}")
+    return v
+
+
+def _capped_stable_step(gmap, J, v, r, max_step: float):
+    """:func:`_stable_step` capped at P-norm ``max_step``: ``(v, r, residual)`` (the residual may be non-finite)."""
+    dv = _stable_step(J, r, floor=1e-3)
+    nrm = float(torch.linalg.norm(dv))
+    if nrm > max_step:
+        dv = dv * (max_step / nrm)
+    v = v + dv
+    r = gmap(v) - v
+    return v, r, float(torch.linalg.norm(r))
+
+
+def _halving_newton_step(gmap, J, v, r, res: float):
+    """Least-squares Newton, halved until the residual decreases: ``(v, r, residual)``; ``None`` after 30 halvings."""
+    eye = torch.eye(gmap.size, dtype=v.dtype, device=v.device)
+    dv = torch.linalg.lstsq(J - eye, -r.unsqueeze(1)).solution.squeeze(1)
+    alpha = 1.0
+    for _ in range(30):
+        v_new = v + alpha * dv
+        r_new = gmap(v_new) - v_new
+        res_new = float(torch.linalg.norm(r_new))
+        if np.isfinite(res_new) and res_new < res:
+            return v_new, r_new, res_new
+        alpha /= 2
+    return None
+
+
 def fixed_point(
     gmap: SequenceMap,
     v0=None,
@@ -231,15 +269,7 @@ def fixed_point(
     warmup = check_positive_int(warmup, "warmup", minimum=0)
     tol = check_nonneg_float(tol, "tol", positive=True)
     max_step = check_nonneg_float(max_step, "max_step", positive=True)
-    if v0 is None:
-        v = gmap.from_params(*spectral_init(gmap.X, gmap.Y))
-        v = gmap.iterate(v, warmup)[-1]
-    else:
-        ref = gmap.X if isinstance(gmap, SequenceMap) else torch.zeros((), dtype=torch.float64)
-        v = torch.as_tensor(v0).to(ref).detach().reshape(-1)
-        if v.numel() != gmap.size:
-            raise ValueError(f"v0: expected {gmap.size} entries (k d + d^2), got {v.numel()}")
-    eye = torch.eye(gmap.size, dtype=v.dtype, device=v.device)
+    v = _start(gmap, v0, warmup)
     r = gmap(v) - v
     res = float(torch.linalg.norm(r))
     history = [res]
@@ -247,30 +277,12 @@ def fixed_point(
     while res > tol and it < max_iter:
         it += 1
         J = gmap.jacobian(v)
-        if stable:
-            dv = _stable_step(J, r, floor=1e-3)
-            nrm = float(torch.linalg.norm(dv))
-            if nrm > max_step:
-                dv = dv * (max_step / nrm)
-            v = v + dv
-            r = gmap(v) - v
-            res = float(torch.linalg.norm(r))
-            if not np.isfinite(res):
-                break
-            history.append(res)
-            continue
-        dv = torch.linalg.lstsq(J - eye, -r.unsqueeze(1)).solution.squeeze(1)
-        alpha = 1.0
-        for _ in range(30):
-            v_new = v + alpha * dv
-            r_new = gmap(v_new) - v_new
-            res_new = float(torch.linalg.norm(r_new))
-            if np.isfinite(res_new) and res_new < res:
-                break
-            alpha /= 2
-        else:
+        nxt = _capped_stable_step(gmap, J, v, r, max_step) if stable else _halving_newton_step(gmap, J, v, r, res)
+        if nxt is None:
             break
-        v, r, res = v_new, r_new, res_new
+        v, r, res = nxt
+        if not np.isfinite(res):
+            break
         history.append(res)
     A, B = gmap.to_params(v)
     excess = float(task.to(dtype=A.dtype, device=A.device).excess_risk(A, B)) if task is not None else float("nan")

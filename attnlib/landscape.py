@@ -103,9 +103,11 @@ def score_moments(B, Sigma: SigmaLike) -> dict:
 
 
 def paired_loss_difference(
-    A1, B1, A2, B2, task: Task, n: int, *, n_prompts: int, seed: int = 0, chunk: Optional[int] = None
+    theta1, theta2, task: Task, n: int, *, n_prompts: int, seed: int = 0, chunk: Optional[int] = None
 ) -> dict:
     r"""Monte Carlo estimate of ``L_n(A2, B2) - L_n(A1, B1)``, ``L_n = E_X[Lhat_n]`` over prompts of ``n`` tokens.
+
+    ``theta1 = (A1, B1)`` and ``theta2 = (A2, B2)`` are the two parameter points.
 
     Both parameter points are evaluated on the same ``n_prompts`` independent prompts (common
     random numbers), so the standard error of the difference is much smaller than that of
@@ -127,7 +129,7 @@ def paired_loss_difference(
     chunk = check_positive_int(chunk, "chunk")
     k, d = task.k, task.d
     params = []
-    for name_a, name_b, A, B in (("A1", "B1", A1, B1), ("A2", "B2", A2, B2)):
+    for name_a, name_b, (A, B) in (("A1", "B1", theta1), ("A2", "B2", theta2)):
         A = check_matrix(A, name_a, (k, d)).to(task.Sigma)
         B = check_matrix(B, name_b, (d, d)).to(task.Sigma)
         params.append((A, B))

@@ -70,9 +70,6 @@ class Task:
         rank: Optional[int] = None,
         noise_std: float = 0.0,
         seed: Optional[int] = None,
-        generator: Optional[torch.Generator] = None,
-        dtype=None,
-        device=None,
     ) -> "Task":
         r"""A random task with prescribed conditioning and signal strength.
 
@@ -83,7 +80,8 @@ class Task:
         given ``rank`` (default ``min(k, d)``) rescaled to ``||T||_F = signal``,
         and ``M = T Sigma^{-1/2}``. The same seed gives the same ``T`` for every
         ``cond``, so tasks that differ only in ``cond`` have the same
-        factorization problem in the coordinates ``(At, C)``.
+        factorization problem in the coordinates ``(At, C)``. The task is float64 on the CPU; ``.to(dtype,
+        device)`` moves it.
         """
         d = check_positive_int(d, "d")
         k = check_positive_int(k, "k")
@@ -96,7 +94,7 @@ class Task:
         rank = check_positive_int(rank, "rank")
         if rank > min(k, d):
             raise ValueError(f"rank: expected 1 <= rank <= min(k, d) = {min(k, d)}, got {rank}")
-        g = make_generator(seed, generator)
+        g = make_generator(seed)
         f64 = torch.float64
         Q, R = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=f64))
         Q = Q * torch.sign(torch.diagonal(R))  # Haar measure
@@ -107,7 +105,7 @@ class Task:
         T = torch.randn(k, rank, generator=g, dtype=f64) @ torch.randn(rank, d, generator=g, dtype=f64)
         T = T * (signal / torch.linalg.norm(T))
         M = T @ sym_inv_sqrt(Sigma)
-        return cls(Sigma, M, noise_std, dtype=resolve_dtype(dtype), device=resolve_device(device))
+        return cls(Sigma, M, noise_std)
 
     def to(self, dtype=None, device=None) -> "Task":
         """A copy of the task with tensors in ``dtype`` on ``device``."""

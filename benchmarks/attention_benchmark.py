@@ -37,7 +37,7 @@ def _worker(n: int, dtype_name: str, impl: str, reps: int) -> dict:
 
     al.configure_threads("auto")  # all granted CPUs: the benchmark runs alone, one process at a time
     dtype = getattr(torch, dtype_name)
-    task = al.Task.random(D, K, cond=10.0, signal=1.0, noise_std=0.1, seed=0, dtype=dtype)
+    task = al.Task.random(D, K, cond=10.0, signal=1.0, noise_std=0.1, seed=0).to(dtype=dtype)
     X, Y = task.sample(n, seed=1)
     A, B, _ = al.random_manifold_point(task, seed=2)
     A = A.clone().requires_grad_()

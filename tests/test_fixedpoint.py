@@ -114,7 +114,7 @@ def test_rotation_basis_spans_the_orbit(limit):
 
 def test_bad_input(seq):
     X, Y = seq
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="renormalize"):
         fp.SequenceMap(X, Y, 0.5, renormalize="nope")
     with pytest.raises(ValueError, match="nu_cap"):
         fp.SequenceMap(X, Y, 0.5, renormalize="cap")

@@ -263,7 +263,7 @@ def test_cuda_uses_sdpa_and_agrees_with_the_cpu_kernel():
     assert K.resolve_engine("auto", Xc) == "sdpa"
     with pytest.raises(ValueError, match="engine"):
         K.resolve_engine("kernel", Xc)
-    task = al.Task.random(4, 2, cond=10.0, signal=1.0, seed=0, device="cuda")
+    task = al.Task.random(4, 2, cond=10.0, signal=1.0, seed=0).to(device="cuda")
     obj = al.optim.PromptObjective(task, 256, 4, al.make_generator(0))  # prompts are drawn on the CPU, then moved
     A_, B_ = A.cuda().requires_grad_(), B.cuda().requires_grad_()
     loss = obj.attention_loss(A_, B_, Xc, Yc)

@@ -185,10 +185,10 @@ def test_score_moments_match_monte_carlo_and_change_along_the_orbit(t3):
 
 def test_paired_loss_difference(t3):
     A, B, _ = al.random_manifold_point(t3, seed=0)
-    same = al.landscape.paired_loss_difference(A, B, A, B, t3, 6, n_prompts=50, seed=1)
+    same = al.landscape.paired_loss_difference((A, B), (A, B), t3, 6, n_prompts=50, seed=1)
     assert same["diff"] == 0.0 and same["se"] == 0.0
     # loss1 is the plain mean of empirical_loss over the documented prompts
-    res = al.landscape.paired_loss_difference(A, B, 2 * A, B / 2, t3, 5, n_prompts=7, seed=3, chunk=3)
+    res = al.landscape.paired_loss_difference((A, B), (2 * A, B / 2), t3, 5, n_prompts=7, seed=3, chunk=3)
     vals = []
     for b, m in enumerate((3, 3, 1)):
         X, Y = t3.sample(m * 5, seed=al.derive_seed(3, "paired-prompts", b))
@@ -196,9 +196,9 @@ def test_paired_loss_difference(t3):
     assert res["loss1"] == pytest.approx(np.mean(vals), rel=1e-12)
     assert res["diff"] == pytest.approx(res["loss2"] - res["loss1"], abs=1e-14)
     with pytest.raises(ValueError, match="n_prompts"):
-        al.landscape.paired_loss_difference(A, B, A, B, t3, 5, n_prompts=1)
+        al.landscape.paired_loss_difference((A, B), (A, B), t3, 5, n_prompts=1)
     with pytest.raises(ValueError, match="A2: expected"):
-        al.landscape.paired_loss_difference(A, B, A.T, B, t3, 5, n_prompts=4)
+        al.landscape.paired_loss_difference((A, B), (A.T, B), t3, 5, n_prompts=4)
 
 
 @pytest.mark.parametrize("svals", [(2.0, 0.5), (1.0, 1.0), (1.0, 0.5, 0.5)], ids=["distinct", "repeated", "rank3"])

@@ -10,7 +10,7 @@ import attnlib as al
 
 
 def _layer_inputs(dtype, n=300, m=None, scale=1.0, seed=0):
-    task = al.Task.random(6, 3, cond=5.0, signal=1.0, seed=seed, dtype=dtype)
+    task = al.Task.random(6, 3, cond=5.0, signal=1.0, seed=seed).to(dtype=dtype)
     X, _ = task.sample(n, seed=seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
     A = torch.randn(3, 6, generator=g, dtype=torch.float64).to(dtype)

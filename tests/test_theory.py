@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from attnlib.geometry import renormalize
 
 import attnlib as al
 from attnlib import fixedpoint as fp
 from attnlib import prompts as pr
 from attnlib import theory as th
+from attnlib.geometry import renormalize
 
 
 @pytest.fixture(scope="module")

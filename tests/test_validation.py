@@ -130,10 +130,10 @@ def test_stiefel_check(ok):
 
 def test_dtype_and_device_arguments():
     with pytest.raises(ValueError, match="dtype: expected a floating torch dtype"):
-        al.Task.random(3, 2, seed=0, dtype=torch.int64)
+        al.Task.random(3, 2, seed=0).to(dtype=torch.int64)
     with pytest.raises(ValueError, match="device: expected a torch device"):
         al.random_init(3, 2, seed=0, device="nonsense")
-    t32 = al.Task.random(3, 2, seed=0, dtype=torch.float32)
+    t32 = al.Task.random(3, 2, seed=0).to(dtype=torch.float32)
     assert t32.Sigma.dtype == torch.float32
     X, _ = t32.sample(5, seed=0)
     assert X.dtype == torch.float32

@@ -89,8 +89,7 @@ def fit(
     guard = DivergenceGuard(config.on_divergence, config.method, config.lr, A.dtype)
     eval_task = task.to(dtype=A.dtype, device=A.device) if task is not None else None
     recorder = Recorder(hist, eval_task, guard, to_original)
-    A, B = run(objective, step, A, B, steps=config.steps, recorder=recorder, renormalization=renorm,
-               hooks=hooks, record_every=config.record_every, progress=config.progress)  # fmt: skip
+    A, B = run(objective, step, (A, B), config, recorder, renormalization=renorm, hooks=hooks)
     hist.A, hist.B = to_original(A, B)
     hist.diverged, hist.step_rule = guard.diverged, step
     return hist

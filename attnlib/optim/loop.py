@@ -166,29 +166,27 @@ class Snapshots:
 def run(
     objective,
     step,
-    A,
-    B,
-    *,
-    steps: int,
+    init: Tuple[torch.Tensor, torch.Tensor],
+    config,
     recorder: Recorder,
+    *,
     renormalization: Optional[Callable] = None,
     hooks: Sequence[Callable] = (),
-    record_every: int = 1,
-    progress: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The training loop shared by every method; returns the final ``(A, B)`` (detached).
 
-    Iteration ``t = 0..steps``: evaluate; record every ``record_every`` steps and at the last one
-    (``recorder``; between records the guard still checks the objective); call every hook;
-    then, unless ``t == steps``, update with ``step``, apply ``renormalization`` to a finite
-    iterate, and check the new iterate with the recorder's guard; on divergence the last finite
-    iterate is kept. Inputs are validated by the caller (:func:`attnlib.optim.fit`).
+    From ``init = (A, B)``, iteration ``t = 0..config.steps``: evaluate; record every
+    ``config.record_every`` steps and at the last one (``recorder``; between records the guard still
+    checks the objective); call every hook; then, unless ``t == steps``, update with ``step``, apply
+    ``renormalization`` to a finite iterate, and check the new iterate with the recorder's guard; on
+    divergence the last finite iterate is kept. ``config.progress`` shows a tqdm bar. Inputs are
+    validated by the caller (:func:`attnlib.optim.fit`).
     """
-    guard = recorder.guard
-    A = A.clone().requires_grad_(True)
-    B = B.clone().requires_grad_(True)
+    guard, steps, record_every = recorder.guard, config.steps, config.record_every
+    A = init[0].clone().requires_grad_(True)
+    B = init[1].clone().requires_grad_(True)
     elapsed = 0.0
-    bar = _progress_bar(progress, steps, recorder.h.method)
+    bar = _progress_bar(config.progress, steps, recorder.h.method)
     for t in range(steps + 1):
         rec = (t % record_every == 0) or t == steps
         t0 = time.perf_counter()

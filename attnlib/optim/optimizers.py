@@ -38,6 +38,7 @@ The parameterization practitioners train: :func:`train_factored` runs the four f
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Dict, Optional
 
 import numpy as np
@@ -283,14 +284,7 @@ def measure(h: History, task: Task, *, n: int = 256, n_sequences: int = 4, seed:
     ``heldout`` (mean empirical loss on ``n_sequences`` fresh sequences of ``n`` tokens, minus the
     Bayes risk), ``time_per_step`` (seconds, wall time of the updates).
     """
-    nan = float("nan")
-    out = {}
-    for tol, lab in ((1e-6, "1e-6"), (1e-10, "1e-10")):
-        s = steps_to(h, tol)
-        out[f"steps_{lab}"] = nan if s is None else float(s)
-        m = max_after(h, tol)
-        out[f"max_after_{lab}"] = nan if m is None else m
-    out["final_excess"] = float(h.excess[-1])
+    out = _convergence(h)
     out["imbalance"] = imbalance(h.A, h.B, task)
     out["nu"] = softmax_scale(h.A, h.B, task)
     out["heldout"] = heldout_loss(h.A, h.B, task, n, n_sequences=n_sequences, seed=seed) - task.bayes_risk
@@ -380,26 +374,40 @@ def factored_imbalance(WQ, WK, WV, WO, task: Task, *, whitened: bool = True) -> 
     return dict(qk=rel(WQ @ WQ.T, WK @ WK.T, C), ov=rel(WO.T @ WO, WV @ WV.T, At))
 
 
+def _factored_optimizer(method: str, params, lr: float) -> torch.optim.Optimizer:
+    if method in ("gd", "structured"):
+        return torch.optim.SGD(params, lr=lr)
+    if method == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return make_optimizer(method, params, lr)
+
+
+def _factored_update(o, params, e, S_inv, method: str, lr: float, t: int) -> None:
+    """One optimizer step on the four factors from the excess ``e`` (preconditioned, scheduled as the method says)."""
+    e.backward()
+    if S_inv is not None:
+        for W in params[:3]:
+            W.grad = W.grad @ S_inv
+    if method == "muon_decay":
+        for group in o.param_groups:
+            group["lr"] = lr * MUON_DECAY**t
+    o.step()
+
+
 def train_factored(
-    task: Task,
-    *,
-    method: str,
-    d_h: int,
-    steps: int,
-    lr: float,
-    seed: int = 0,
-    scale: float = 0.5,
+    task: Task, *, method: str, d_h: int, steps: int, lr: float, seed: int = 0, scale: float = 0.5,
     on_divergence: str = "stop",
-) -> History:
+) -> History:  # fmt: skip
     r"""Train the four factors on the population objective with one of :data:`FACTOR_METHODS` (a loop over torch.optim).
 
     Every step: the excess ``task.excess_risk(W_O W_V, W_Q^T W_K)``, its gradient by autograd, one optimizer
     step. ``"gd"``: ``torch.optim.SGD``; ``"structured"``: the same with the gradients of ``W_Q, W_K, W_V``
     multiplied by ``Sigma^{-1}`` on the right; ``"adam"``: ``torch.optim.Adam``; ``"shampoo"``, ``"muon_decay"``: as
-    in :data:`OPTIMIZERS`. Returns a :class:`~attnlib.train.History` (``excess`` and ``loss`` at steps 0..steps,
+    in :data:`OPTIMIZERS`. Returns a :class:`~attnlib.optim.History` (``excess`` and ``loss`` at steps 0..steps,
     ``A``, ``B`` the final product, ``config["factors"]`` the final ``(W_Q, W_K, W_V, W_O)``). A non-finite excess or
     one above ``1e6`` times the first raises ``FloatingPointError`` (``on_divergence="raise"``) or stops the run with
-    ``diverged`` set (``"stop"``).
+    ``diverged`` set (``"stop"``). (The one loop :func:`attnlib.optim.run` trains the two matrices ``(A, B)``;
+    this is the parameterization with four factors, with its own divergence criterion.)
     """
     if method not in FACTOR_METHODS:
         raise ValueError(f"method: expected one of {FACTOR_METHODS}, got {method!r}")
@@ -408,17 +416,10 @@ def train_factored(
     steps = check_positive_int(steps, "steps")
     lr = check_nonneg_float(lr, "lr", positive=True)
     params = [W.clone().requires_grad_(True) for W in factored_start(task, d_h, scale=scale, seed=seed)]
-    if method in ("gd", "structured"):
-        o = torch.optim.SGD(params, lr=lr)
-    elif method == "adam":
-        o = torch.optim.Adam(params, lr=lr)
-    else:
-        o = make_optimizer(method, params, lr)
+    o = _factored_optimizer(method, params, lr)
     S_inv = torch.linalg.inv(as_covariance(task)) if method == "structured" else None
     h = History(method=f"factored:{method}", config=dict(d_h=int(d_h), lr=lr, seed=int(seed), scale=scale))
     last = [W.detach().clone() for W in params]
-    import time
-
     t0 = time.perf_counter()
     for t in range(steps + 1):
         o.zero_grad()
@@ -436,23 +437,14 @@ def train_factored(
         h.time.append(time.perf_counter() - t0)
         if t == steps:
             break
-        e.backward()
-        if S_inv is not None:
-            for W in params[:3]:
-                W.grad = W.grad @ S_inv
-        if method == "muon_decay":
-            for group in o.param_groups:
-                group["lr"] = lr * MUON_DECAY**t
-        o.step()
+        _factored_update(o, params, e, S_inv, method, lr, t)
     h.A, h.B = (X.detach() for X in factored_product(*last))
     h.config["factors"] = tuple(last)
     return h
 
 
-def measure_factored(h: History, task: Task) -> Dict[str, float]:
-    """What a four-factor run ended at: steps to 1e-6 / 1e-10, largest excess after, final excess, the imbalances
-    (:func:`factored_imbalance`, whitened and Euclidean; :func:`imbalance` of the product), ``nu`` and ``nu / s_1(T)``
-    (1 at a balanced minimum of the product)."""
+def _convergence(h: History) -> Dict[str, float]:
+    """Steps to the excess 1e-6 and 1e-10 (``nan``: never), the largest excess after each, the final excess."""
     nan = float("nan")
     out = {}
     for tol, lab in ((1e-6, "1e-6"), (1e-10, "1e-10")):
@@ -461,6 +453,14 @@ def measure_factored(h: History, task: Task) -> Dict[str, float]:
         m = max_after(h, tol)
         out[f"max_after_{lab}"] = nan if m is None else m
     out["final_excess"] = float(h.excess[-1])
+    return out
+
+
+def measure_factored(h: History, task: Task) -> Dict[str, float]:
+    """What a four-factor run ended at: steps to 1e-6 / 1e-10, largest excess after, final excess, the imbalances
+    (:func:`factored_imbalance`, whitened and Euclidean; :func:`imbalance` of the product), ``nu`` and ``nu / s_1(T)``
+    (1 at a balanced minimum of the product)."""
+    out = _convergence(h)
     F = h.config["factors"]
     w, e = factored_imbalance(*F, task), factored_imbalance(*F, task, whitened=False)
     out.update(imb_qk=w["qk"], imb_ov=w["ov"], imb_qk_euclid=e["qk"], imb_ov_euclid=e["ov"])
