@@ -208,19 +208,19 @@ def averaged_error_constant(A, B, Sigma: SigmaLike) -> float:
 def averaged_error_exponent(A, B, Sigma: SigmaLike) -> Tuple[float, float]:
     r"""Heuristic range ``(fast, slow)`` of the exponent of the query-averaged error in ``n``.
 
-    Ours, not the paper's. With ``lam = lambda_max(C^T C)``: ``fast = -min(1, 1/2 + 1/(4 lam))``
-    and ``slow = -min(1, 1/(2 lam))``; both are -1 below the threshold 1/2, where the
+    Ours, not the paper's. With ``nu = lambda_max(C^T C)``: ``fast = -min(1, 1/2 + 1/(4 nu))``
+    and ``slow = -min(1, 1/(2 nu))``; both are -1 below the threshold 1/2, where the
     averaged constant is finite. Above it, a query of softmax exponent ``u = a^T Sigma a``
-    (tail ``P(u > t) ~ exp(-t / (2 lam))``) has error ``kappa(q)/n ~ e^u/n`` once its weights'
+    (tail ``P(u > t) ~ exp(-t / (2 nu))``) has error ``kappa(q)/n ~ e^u/n`` once its weights'
     second moment is realized, ``n >> e^{2u}``; the queries with ``u < log(n)/2`` alone
-    contribute ``n^{-1/2 - 1/(4 lam)}`` (the fast end). If every query had error at most
-    ``min(kappa(q)/n, O(u))``, the average would be ``n^{-1/(2 lam)}`` (the slow end).
+    contribute ``n^{-1/2 - 1/(4 nu)}`` (the fast end). If every query had error at most
+    ``min(kappa(q)/n, O(u))``, the average would be ``n^{-1/(2 nu)}`` (the slow end).
     Both up to powers of ``log n``.
     """
-    lam = softmax_scale(A, B, Sigma)
-    if lam <= HEAVY_TAIL_THRESHOLD:
+    nu = softmax_scale(A, B, Sigma)
+    if nu <= HEAVY_TAIL_THRESHOLD:
         return -1.0, -1.0
-    return -min(1.0, 0.5 + 0.25 / lam), -min(1.0, 0.5 / lam)
+    return -min(1.0, 0.5 + 0.25 / nu), -min(1.0, 0.5 / nu)
 
 
 def orbit_to_scale(A, B, Sigma: SigmaLike, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -337,9 +337,9 @@ def orbit_curvature(gmap: SequenceMap, v) -> np.ndarray:
     s0 = torch.zeros(len(basis), dtype=v.dtype, device=v.device)
     Hs = torch.autograd.functional.hessian(f, s0).cpu().numpy()
     Ut = torch.stack([gmap.pack(At @ Om, -Om @ C) for Om in basis], dim=1).cpu().numpy()
-    lam, E = np.linalg.eigh(Ut.T @ Ut)
-    keep = lam > lam.max() * 1e-8
-    R = E[:, keep] / np.sqrt(lam[keep])
+    ev, E = np.linalg.eigh(Ut.T @ Ut)
+    keep = ev > ev.max() * 1e-8
+    R = E[:, keep] / np.sqrt(ev[keep])
     return np.sort(np.linalg.eigvalsh(R.T @ Hs @ R))
 
 

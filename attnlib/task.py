@@ -99,8 +99,8 @@ class Task:
         Q, R = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=f64))
         Q = Q * torch.sign(torch.diagonal(R))  # Haar measure
         t = torch.linspace(-0.5, 0.5, d, dtype=f64) if d > 1 else torch.zeros(1, dtype=f64)
-        lam = torch.tensor(cond, dtype=f64) ** t
-        Sigma = (Q * lam) @ Q.T
+        eigs = torch.tensor(cond, dtype=f64) ** t
+        Sigma = (Q * eigs) @ Q.T
         Sigma = 0.5 * (Sigma + Sigma.T)
         T = torch.randn(k, rank, generator=g, dtype=f64) @ torch.randn(rank, d, generator=g, dtype=f64)
         T = T * (signal / torch.linalg.norm(T))

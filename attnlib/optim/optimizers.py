@@ -228,8 +228,8 @@ def preconditioner_slope(step: Step, Sigma, which: int = 0) -> float:
     """
     P = preconditioner_map(step, which)
     S = as_covariance(Sigma)
-    lam, V = torch.linalg.eigh(S)
-    if P is None or float(lam[-1] / lam[0]) < 1.0 + 1e-9:
+    eigs, V = torch.linalg.eigh(S)
+    if P is None or float(eigs[-1] / eigs[0]) < 1.0 + 1e-9:
         return float("nan")
     d = S.shape[0]
     opt = getattr(step, "opt", None)
@@ -245,7 +245,7 @@ def preconditioner_slope(step: Step, Sigma, which: int = 0) -> float:
     q = np.asarray(q)
     if np.any(~np.isfinite(q)) or np.any(q <= 0):
         return float("nan")
-    return float(np.polyfit(np.log(lam.cpu().numpy()), np.log(q), 1)[0])
+    return float(np.polyfit(np.log(eigs.cpu().numpy()), np.log(q), 1)[0])
 
 
 def imbalance(A, B, Sigma) -> float:
