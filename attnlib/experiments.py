@@ -41,19 +41,19 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .finite_n import heldout_loss
-from .geometry import distance_to_manifold
+from .finite_n import heldout_loss, orbit_to_scale, query_averaged_error
+from .geometry import distance_to_manifold, random_manifold_point
 from .init import spectral_init
-from .prompts import excess_ustat, run_chain
+from .prompts import run_chain
 from .renorm import orbit_distance, softmax_scale, train_sequence
 from .rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
-from .stats import ExponentFit, fit_exponent, ustat_exponent
+from .stats import ExponentFit, excess_ustat, fit_exponent, ustat_exponent
 from .task import Task
 from .train import Recorder, train
 
@@ -64,7 +64,11 @@ __all__ = [
     "make_task",
     "SWEEPS",
     "sweep",
-    "load",
+    "read_sweep",
+    "HEAVY_TAIL_TASK",
+    "HEAVY_TAIL_DESIGN",
+    "heavy_tail_point",
+    "heavy_tail_errors",
     "values_by_n",
     "trained_values",
     "series",
@@ -603,11 +607,6 @@ def sweep(name: str, quick: bool = False) -> Sweep:
     return Sweep(name, s["func"], s["quick" if quick else "full"](), s["spec_columns"], s["columns"])
 
 
-def load(path: str) -> List[Dict[str, object]]:
-    """Rows of a sweep CSV (complete runs only); see ``attnlib.runner.read_sweep``."""
-    return read_sweep(path)
-
-
 # ----------------------------------------------------------------------------- analysis helpers
 
 
@@ -737,7 +736,7 @@ def prompt_residuals(rows, label: str) -> Dict[int, np.ndarray]:
 
 
 def prompt_excess(rows, label: str) -> Dict[int, dict]:
-    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+    """Per ``n``: ``attnlib.stats.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
     Sigma = make_task(0.0).Sigma
     return {n: excess_ustat(Rs, Sigma) for n, Rs in prompt_residuals(rows, label).items()}
 
@@ -1154,6 +1153,101 @@ SWEEPS["optimizers_prompts"] = dict(
     ),  # fmt: skip
     full=lambda: _optimizer_prompt_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1)),
     quick=lambda: _optimizer_prompt_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+)
+
+
+# ----------------------------------------------------------------------------- chapter 2: the heavy tail
+#
+# ``heavy_tail``: the query-averaged error ``E_{q,X} ||f(q; X) - A Sigma B^T q||^2`` of the finite layer along
+# an orbit (chapter 2, section "Averaged over queries"). The point is the balanced minimum
+# ``random_manifold_point(task, seed=HEAVY_TAIL_MANIFOLD_SEED)`` of chapter 2's task, moved along the orbit
+# ``(t At, C / t)`` to each softmax scale ``lambda_max(C^T C)`` (the population loss is the same at every point);
+# one run = one (scale, include_self, n): ``attnlib.finite_n.query_averaged_error`` on ``seeds`` independent
+# sequences of ``n`` tokens, each with ``n_queries`` fresh queries (``include_self=0``) or its own first
+# ``n_queries`` tokens as queries (``include_self=1``, the scales of HEAVY_TAIL_DESIGN["self_scales"]); a row per
+# sequence (``seed`` = its draw index). The full sweep took 18 minutes on one core of the shared 2-core machine.
+
+#: Chapter 2's task (arguments of :meth:`attnlib.task.Task.random`) and the seed of its balanced minimum.
+HEAVY_TAIL_TASK = dict(d=4, k=2, cond=4.0, signal=1.0, noise_std=0.2, seed=3)
+HEAVY_TAIL_MANIFOLD_SEED = 4
+#: The heavy-tail sweep's design: softmax scales, the scales also run with the sequence's own tokens as
+#: queries, sequence lengths, sequences per length, queries per sequence, the seed of the draws.
+HEAVY_TAIL_DESIGN = dict(
+    scales=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5),
+    self_scales=(0.2, 1.0),
+    ns=(256, 512, 1024, 2048, 4096, 8192, 16384),
+    seeds=96,
+    n_queries=1024,
+    seed=2026,
+)
+
+
+def heavy_tail_point():
+    """``(task, A, B)``: chapter 2's task and the balanced minimum the heavy-tail sweep moves along its orbit."""
+    task = Task.random(**HEAVY_TAIL_TASK)
+    A, B, _ = random_manifold_point(task, seed=HEAVY_TAIL_MANIFOLD_SEED)
+    return task, A, B
+
+
+def _run_heavy_tail(spec: dict) -> List[dict]:
+    task, A, B = heavy_tail_point()
+    Ac, Bc = orbit_to_scale(A, B, task, float(spec["scale"]))
+    E = query_averaged_error(
+        Ac,
+        Bc,
+        task,
+        [int(spec["n"])],
+        n_queries=int(spec["n_queries"]),
+        n_seeds=int(spec["seeds"]),
+        seed=int(spec["base_seed"]),
+        include_self=bool(spec["include_self"]),
+    )[0]
+    return [dict(seed=s, error=float(E[s])) for s in range(E.shape[0])]
+
+
+def _heavy_tail_specs(scales, self_scales, ns, seeds, n_queries, seed) -> List[dict]:
+    """Fresh queries at every scale of ``scales``, then the sequence's own tokens at every scale of ``self_scales``."""
+    return [
+        dict(
+            run=f"scale={float(c)!r}:self={flag}:n={int(n)}",
+            scale=float(c),
+            include_self=flag,
+            n=int(n),
+            n_queries=int(n_queries),
+            seeds=int(seeds),
+            base_seed=int(seed),
+            cost=float(n) * n_queries * seeds,
+        )
+        for flag, cs in ((0, scales), (1, self_scales))
+        for c in cs
+        for n in ns
+    ]
+
+
+def heavy_tail_errors(rows, scale: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The block of ``heavy_tail`` rows at one softmax ``scale``: ``(ns, errors)``.
+
+    ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the sequences in the order of
+    their draw index (the input of :func:`attnlib.stats.fit_error_exponent`). Raises ``ValueError``
+    if there are no rows for ``scale`` or the lengths have different numbers of sequences.
+    """
+    flag = int(bool(include_self))
+    sel = [r for r in rows if r["scale"] == float(scale) and r["include_self"] == flag]
+    if not sel:
+        raise ValueError(f"scale: no rows with scale {scale!r} and include_self={bool(include_self)}")
+    ns = sorted({int(r["n"]) for r in sel})
+    by_n = {n: [r["error"] for r in sorted((r for r in sel if r["n"] == n), key=lambda r: r["seed"])] for n in ns}
+    if len({len(v) for v in by_n.values()}) != 1:
+        raise ValueError(f"rows: the lengths at scale {scale!r} have different numbers of sequences")
+    return np.array(ns), np.array([by_n[n] for n in ns])
+
+
+SWEEPS["heavy_tail"] = dict(
+    func=_run_heavy_tail,
+    spec_columns=("scale", "include_self", "n", "n_queries"),
+    columns=("seed", "error"),
+    full=lambda: _heavy_tail_specs(**HEAVY_TAIL_DESIGN),
+    quick=lambda: _heavy_tail_specs((0.2, 1.0), (1.0,), (64, 128), 4, 64, HEAVY_TAIL_DESIGN["seed"]),
 )
 
 

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from ..attention import attention_reference, empirical_loss
-from ..fits import fit_geometric_rate, fit_power_law
 from ..geometry import p_norm, regularizer, renormalize, to_factor
+from ..stats import fit_geometric_rate, fit_power_law
 from ..task import Task
 from . import hidden
 from .hidden import ExerciseError
@@ -378,7 +378,7 @@ EXERCISES: Dict[str, Exercise] = {
             "slope, not its intercept",
             reference=lambda x, y: fit_power_law(x, y).slope,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
+            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
         ),
         Exercise(
             "6.2",
@@ -387,7 +387,7 @@ EXERCISES: Dict[str, Exercise] = {
             "take logarithms of the values: what is then linear in the steps, and how is its slope related to mu?",
             reference=fit_geometric_rate,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
+            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
         ),
     )
 }
