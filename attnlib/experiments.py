@@ -38,6 +38,7 @@ All sweeps share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -216,28 +217,41 @@ def _run_trained(spec: dict) -> List[dict]:
     return rows
 
 
-def _sequence_spec(renorm, kappa, noise, n, seed, lr, cost, **extra) -> dict:
-    """One regime-(i) run: a renormalization (and its cap), a noise level, one sequence ``(n, seed)``."""
-    return dict(
-        run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
-        renorm=renorm,
-        kappa=kappa if kappa is not None else "",
-        noise_std=float(noise),
-        n=int(n),
-        seed=int(seed),
-        **extra,
-        lr=float(lr),
-        cost=float(cost),
-    )
+def _product_specs(run_id, axes: Dict, fixed, cost=None, after: Optional[dict] = None) -> List[dict]:
+    """One spec per point of the product of ``axes`` (field -> values, the last field varying fastest; a tuple
+    of fields takes tuples of values), then the ``fixed`` fields (a dict, or a function of the spec so far):
+    ``run`` = ``run_id(spec)`` first, then ``cost`` = ``cost(spec)`` (if given), then the fields ``after``."""
+    out = []
+    for values in itertools.product(*axes.values()):
+        spec = {}
+        for key, v in zip(axes, values):
+            spec.update(zip(key, v) if isinstance(key, tuple) else [(key, v)])
+        spec.update(fixed(spec) if callable(fixed) else fixed)
+        out.append({"run": run_id(spec), **spec, **({} if cost is None else {"cost": cost(spec)}), **(after or {})})
+    return out
+
+
+def _cap(kappa):
+    """A renormalization's cap as written in a spec (``""`` for none)."""
+    return kappa if kappa is not None else ""
+
+
+def _sequence_run_id(s: dict) -> str:
+    return f"{s['renorm']}:noise={s['noise_std']}:n={s['n']}:seed={s['seed']}"
 
 
 def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
-    return [
-        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2 * steps + 2e4 * steps, steps=int(steps))
-        for renorm, kappa, noise in configs
-        for n in ns
-        for seed in range(seeds)
-    ]
+    """One regime-(i) run per renormalization (and its cap), noise level and sequence ``(n, seed)``."""
+    return _product_specs(
+        _sequence_run_id,
+        {
+            ("renorm", "kappa", "noise_std"): [(r, _cap(k), float(z)) for r, k, z in configs],
+            "n": ns,
+            "seed": range(seeds),
+        },
+        dict(steps=int(steps), lr=float(lr)),
+        cost=lambda s: float(s["n"]) ** 2 * steps + 2e4 * steps,
+    )
 
 
 # ----------------------------------------------------------------------------- regime (i): rate
@@ -312,28 +326,13 @@ def _run_chain(spec: dict) -> List[dict]:
 def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_dtype=None) -> List[dict]:
     """Independent chains per scale and ``n``; ``attention_dtype`` (e.g. ``"float32"``), when given, is
     the attention part's dtype (:class:`attnlib.prompts.PromptObjective`), kept in the spec."""
-    out = []
-    for label, mode, kappa in scales:
-        for n in ns:
-            P = prompts_per_step(n)
-            for c in range(chains):
-                out.append(
-                    dict(
-                        run=f"{label}:n={n}:chain={c}",
-                        label=label,
-                        mode=mode,
-                        kappa=kappa if kappa is not None else "",
-                        n=int(n),
-                        chain=int(c),
-                        steps=int(steps),
-                        burn_in=int(burn_in),
-                        prompts=P,
-                        lr=float(lr),
-                        cost=float(P) * n * n * steps,
-                        **({} if attention_dtype is None else dict(attention_dtype=str(attention_dtype))),
-                    )
-                )
-    return out
+    return _product_specs(
+        lambda s: f"{s['label']}:n={s['n']}:chain={s['chain']}",
+        {("label", "mode", "kappa"): [(lab, m, _cap(k)) for lab, m, k in scales], "n": ns, "chain": range(chains)},
+        lambda s: dict(steps=int(steps), burn_in=int(burn_in), prompts=prompts_per_step(s["n"]), lr=float(lr)),
+        cost=lambda s: float(s["prompts"]) * s["n"] * s["n"] * steps,
+        after={} if attention_dtype is None else dict(attention_dtype=str(attention_dtype)),
+    )
 
 
 # ----------------------------------------------------------------------------- regime (i): the limit (issue 21)
@@ -383,13 +382,16 @@ LIMIT_SLOW = 5  #: rotation directions of the sweeps' task (d = 4, rank 2: dim S
 
 
 def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) -> List[dict]:
-    return [
-        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2)
-        for renorm, kappa in renorms
-        for noise in noises
-        for n, seeds in ns_seeds
-        for seed in range(seeds)
-    ]
+    return _product_specs(
+        _sequence_run_id,
+        {
+            ("renorm", "kappa"): [(r, _cap(k)) for r, k in renorms],
+            "noise_std": [float(z) for z in noises],
+            ("n", "seed"): [(int(n), s) for n, seeds in ns_seeds for s in range(seeds)],
+        },
+        dict(lr=float(lr)),
+        cost=lambda s: float(s["n"]) ** 2,
+    )
 
 
 #: The limit sweep's design (n, independent sequences); a larger machine would run (4096, 40) too.
@@ -398,17 +400,20 @@ LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
 # ----------------------------------------------------------------------------- regime (ii): the whole law (issue 21)
 
 
-def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: str, kappa, seed: int, init):
-    """One regime-(ii) chain (the step rule of ``attnlib.prompts.run_chain``); the residual
-    ``A Sigma B^T - M`` at every step."""
+def _law_chain(spec: dict, task: Task, seed: int, init):
+    """One regime-(ii) chain of a ``law`` run (the step rule of ``attnlib.prompts.run_chain``: the spec's
+    ``n``, ``prompts``, ``steps``, ``lr``, ``mode`` and ``kappa``) from ``init`` on the prompt stream ``seed``;
+    the residual ``A Sigma B^T - M`` at every step."""
     from .prompts import PromptObjective
     from .renorm import ScaledStructuredStep, renormalize_scaled
     from .rng import make_generator
 
-    obj = PromptObjective(task, n, prompts, make_generator(seed))
-    step = ScaledStructuredStep(lr, task, mode, kappa)
-    A, B = renormalize_scaled(init[0], init[1], task, mode, kappa)
+    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
+    obj = PromptObjective(task, int(spec["n"]), int(spec["prompts"]), make_generator(seed))
+    step = ScaledStructuredStep(float(spec["lr"]), task, spec["mode"], kappa)
+    A, B = renormalize_scaled(init[0], init[1], task, spec["mode"], kappa)
     Es = []
+    steps = int(spec["steps"])
     for m in range(steps + 1):
         Es.append((A @ task.Sigma @ B.T - task.M).detach())
         if m == steps:
@@ -448,11 +453,9 @@ def _run_law(spec: dict) -> List[dict]:
     iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
     task = make_task(0.0)
     n, pair = int(spec["n"]), int(spec["pair"])
-    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
     seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
     on, pert = law_starts(spec)
-    args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
-    E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
+    E_on, E_pert = _law_chain(spec, task, seed, on), _law_chain(spec, task, seed, pert)
     S_half = task.Sigma_sqrt
     rows = []
     for m, (a, b) in enumerate(zip(E_on, E_pert)):
@@ -469,9 +472,11 @@ def _run_law(spec: dict) -> List[dict]:
     return rows
 
 
-def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
-    """Pairs of chains per ``n`` and start: P-distance ``radius`` for each of ``radii``, then (``spectral``)
+def _law_specs(scale, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
+    """Pairs of chains per ``n`` and start, at the renormalization ``scale = (label, mode, kappa)`` (an entry
+    of the form of ``PROMPT_SCALES``): P-distance ``radius`` for each of ``radii``, then (``spectral``)
     the spectral initialization from the first prompts (``radius`` empty, ``start=spectral`` in the name)."""
+    label, mode, kappa = scale
     starts = [float(r) for r in radii] + (["spectral"] if spectral else [])
     return [
         dict(
@@ -501,7 +506,7 @@ BEST_SCALE = (("cap0.145", "cap", 0.145),)
 
 #: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
 #: and 0.5 and the spectral initialization from the first prompts, 16 pairs of chains each.
-LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16, spectral=True)
+LAW_DESIGN = dict(scale=PROMPT_SCALES[0], ns=(64, 128, 256), pairs=16, spectral=True)
 
 #: The light-tailed sweep extended beyond n = 1024 (issue 21): the cap 1/4 at n = 2048 (8 chains) and
 #: 4096 (12 chains), float32 attention (the moment kernel; benchmarks/prompts_engines.md), chains sized
@@ -517,6 +522,21 @@ def _large_specs(design=LARGE_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[di
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
 
+#: The spec columns of the regime-(i) sweeps on one sequence (``trained``, ``rate``).
+_SEQUENCE_SPEC = ("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr")
+#: The spec columns and the columns of the regime-(ii) chain sweeps (``prompts``, ``prompts_best``,
+#: ``prompts_large``, which adds ``attention_dtype``): one row per chain, its averaged residual ``r0..``.
+_CHAIN_SPEC = ("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr")
+_CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
+    "naive_excess",
+    "test_excess",
+    "scale",
+    "last_excess",
+    "batches",
+)
+
+#: name -> dict(func, spec_columns, columns, full, quick): ``func(spec) -> rows`` (module level), the spec
+#: fields written to every row, the columns ``func`` returns, and the full and quick spec lists (functions).
 SWEEPS: Dict[str, dict] = {
     "spectral": dict(
         func=_run_spectral,
@@ -527,23 +547,22 @@ SWEEPS: Dict[str, dict] = {
     ),
     "trained": dict(
         func=_run_trained,
-        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        spec_columns=_SEQUENCE_SPEC,
         columns=("step", "excess", "dist", "objective", "test_loss", "diverged", "scale"),
         full=lambda: _trained_specs(_TRAINED_CONFIGS, [2**i for i in range(5, 11)], 40),
         quick=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (32, 64), 2, steps=5),
     ),
     "rate": dict(
         func=_run_rate,
-        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        spec_columns=_SEQUENCE_SPEC,
         columns=("step", "excess", "dist", "orbit_dist", "objective"),
         full=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (128, 512, 1024), 4, steps=300),
         quick=lambda: _trained_specs((("balance", None, 0.1),), (32,), 2, steps=20),
     ),
     "prompts": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC,
+        columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(PROMPT_SCALES, [2**i for i in range(4, 11)], 6),
         quick=lambda: _prompt_specs(
             (("balance", "balance", None), ("cap0.25", "cap", 0.25)), (16, 32), 3, steps=12, burn_in=4
@@ -575,17 +594,15 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_best": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC,
+        columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
         quick=lambda: _prompt_specs(BEST_SCALE, (16,), 3, steps=12, burn_in=4),
     ),
     "prompts_large": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr", "attention_dtype"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC + ("attention_dtype",),
+        columns=_CHAIN_COLUMNS,
         full=lambda: _large_specs(),
         quick=lambda: _large_specs((((16,), 3),), steps=12, burn_in=4),
     ),
@@ -594,7 +611,7 @@ SWEEPS: Dict[str, dict] = {
         spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
         columns=("step", "excess_on", "excess_pert", "gap", "cross"),
         full=lambda: _law_specs(**LAW_DESIGN),
-        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,), spectral=True),
+        quick=lambda: _law_specs(PROMPT_SCALES[0], (16,), 2, steps=5, radii=(0.1,), spectral=True),
     ),
 }
 
@@ -824,6 +841,65 @@ def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_
     )
 
 
+def _grid_rows(res: dict, score: str, measure) -> List[dict]:
+    """One row per step size of a grid search (``attnlib.optimizers.grid_search``): ``lr``, its score (column
+    ``score``, NaN where the run diverged), ``diverged``, ``selected``, ``position``, and at the selected step
+    the columns of ``measure(lr, history)``."""
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = {"lr": lr, score: float("nan") if s is None else s, "diverged": s is None}
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            row.update(measure(lr, res["best"]))
+        rows.append(row)
+    return rows
+
+
+def _grid_columns(score: str, *measured: str) -> tuple:
+    """The columns of :func:`_grid_rows` with the score column ``score`` and the measured columns."""
+    return ("lr", score, "diverged", "selected", "position") + measured
+
+
+#: The columns the chapter-7 sweeps measure at the selected step (``attnlib.optimizers.measure``).
+_MEASURED = ("steps_1e-6", "steps_1e-10", "max_after_1e-6", "max_after_1e-10", "final_excess")
+
+
+def _heldout_selected_rows(spec: dict, task: Task, run, stream: str, n_heldout: int, extra) -> List[dict]:
+    """Grid search of ``run(lr, on_divergence)`` over the spec's method grid, the step selected by the loss of
+    the finite layer on ``n_heldout`` fresh sequences of length ``spec["n"]`` (stream ``<stream>:select``);
+    the selected run is evaluated on ``n_heldout`` other fresh sequences (``<stream>:evaluate``) and measured:
+    ``extra(history)``, then ``excess``, ``heldout`` (minus the Bayes risk), ``imbalance``, ``nu``."""
+    from . import optimizers as opt
+
+    n = int(spec["n"])
+    select_seed = derive_seed(int(spec["seed"]), f"{stream}:select")
+    eval_seed = derive_seed(int(spec["seed"]), f"{stream}:evaluate")
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=n_heldout, seed=select_seed)
+
+    def measure(lr, h):
+        return dict(
+            extra(h),
+            excess=float(h.excess[-1]),
+            heldout=heldout_loss(h.A, h.B, task, n, n_sequences=n_heldout, seed=eval_seed) - task.bayes_risk,
+            imbalance=opt.imbalance(h.A, h.B, task),
+            nu=opt.softmax_scale(h.A, h.B, task),
+        )
+
+    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    return _grid_rows(res, "selection_loss", measure)
+
+
+def _method_specs(labels, conds, seeds, n: int, steps: int) -> List[dict]:
+    """One run per method, cond(Sigma) and seed at sequence or context length ``n`` (chapter 7)."""
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:n={s['n']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], n=(int(n),), seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+    )
+
+
 def _run_optimizers(spec: dict) -> List[dict]:
     from . import optimizers as opt
 
@@ -835,58 +911,26 @@ def _run_optimizers(spec: dict) -> List[dict]:
         steps_of[float(lr)] = st
         return h
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), extend=12)
-    rows = []
-    for lr, score in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if score is not None and lr == res["lr"]:
-            h = res["best"]
-            row.update(opt.measure(h, task, n=OPT_HELDOUT_N, seed=derive_seed(int(spec["seed"]), "heldout")))
-            # the preconditioner in the coordinates trained on (whitened: Sigma = I there, so the raw Sigma's
-            # eigenvectors are read in the raw coordinates only)
-            row["slope"] = opt.preconditioner_slope(steps_of[lr], task) if spec["tokens"] == "raw" else float("nan")
-        rows.append(row)
-    return rows
+    def measure(lr, h):
+        row = opt.measure(h, task, n=OPT_HELDOUT_N, seed=derive_seed(int(spec["seed"]), "heldout"))
+        # the preconditioner in the coordinates trained on (whitened: Sigma = I there, so the raw Sigma's
+        # eigenvectors are read in the raw coordinates only)
+        row["slope"] = opt.preconditioner_slope(steps_of[lr], task) if spec["tokens"] == "raw" else float("nan")
+        return row
+
+    return _grid_rows(opt.grid_search(run, optimizer_grid(spec["label"]), extend=12), "score", measure)
 
 
-_OPT_COLUMNS = (
-    "lr",
-    "score",
-    "diverged",
-    "selected",
-    "position",
-    "steps_1e-6",
-    "steps_1e-10",
-    "max_after_1e-6",
-    "max_after_1e-10",
-    "final_excess",
-    "imbalance",
-    "nu",
-    "heldout",
-    "time_per_step",
-    "slope",
-)
+_OPT_COLUMNS = _grid_columns("score", *_MEASURED, "imbalance", "nu", "heldout", "time_per_step", "slope")
 
 
 def _optimizer_specs(labels, conds, tokens, starts, seeds, steps=OPT_STEPS) -> List[dict]:
-    return [
-        dict(
-            run=f"{lab}:cond={c:g}:{tok}:{st}:seed={s}",
-            label=lab,
-            cond=float(c),
-            tokens=tok,
-            start=st,
-            seed=int(s),
-            steps=int(steps),
-            cost=float(steps) * (3.0 if "shampoo" in lab or lab == "soap" else 1.0),
-        )
-        for lab in labels
-        for c in conds
-        for tok in tokens
-        for st in starts
-        for s in seeds
-    ]
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:{s['tokens']}:{s['start']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], tokens=tokens, start=starts, seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+        cost=lambda s: float(steps) * (3.0 if "shampoo" in s["label"] or s["label"] == "soap" else 1.0),
+    )
 
 
 SWEEPS["optimizers"] = dict(
@@ -908,7 +952,6 @@ OPT_SEQ_STEPS = 300
 
 
 def _run_optimizers_sequence(spec: dict) -> List[dict]:
-    from . import optimizers as opt
     from .train import train
 
     task = optimizer_task(spec["cond"], spec["seed"])
@@ -916,8 +959,6 @@ def _run_optimizers_sequence(spec: dict) -> List[dict]:
     X, Y = task.sample(n, seed=derive_seed(int(spec["seed"]), f"optimizers-sequence:n={n}"))
     method, extra, _ = OPT_METHODS[spec["label"]]
     start = optimizer_start(task, "saddle", spec["seed"])
-    select_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:select")
-    eval_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:evaluate")
 
     def run(lr, on_divergence="stop"):
         return train(
@@ -925,53 +966,18 @@ def _run_optimizers_sequence(spec: dict) -> List[dict]:
             record_every=int(spec["steps"]), on_divergence=on_divergence, **extra,
         )  # fmt: skip
 
-    def score(h):
-        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=select_seed)
+    def train_minus_bayes(h):
+        return dict(train_minus_bayes=float(h.loss[-1]) - task.bayes_risk)
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
-    rows = []
-    for lr, s in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if s is not None and lr == res["lr"]:
-            h = res["best"]
-            row.update(
-                train_minus_bayes=float(h.loss[-1]) - task.bayes_risk,
-                excess=float(h.excess[-1]),
-                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=eval_seed) - task.bayes_risk,
-                imbalance=opt.imbalance(h.A, h.B, task),
-                nu=opt.softmax_scale(h.A, h.B, task),
-            )
-        rows.append(row)
-    return rows
-
-
-def _optimizer_sequence_specs(labels, conds, seeds, n=OPT_SEQ_N, steps=OPT_SEQ_STEPS) -> List[dict]:
-    return [
-        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
-        for lab in labels
-        for c in conds
-        for s in seeds
-    ]
+    return _heldout_selected_rows(spec, task, run, "optimizers-sequence", OPT_SEQ_HELDOUT, train_minus_bayes)
 
 
 SWEEPS["optimizers_sequence"] = dict(
     func=_run_optimizers_sequence,
     spec_columns=("label", "cond", "n", "seed", "steps"),
-    columns=(
-        "lr",
-        "selection_loss",
-        "diverged",
-        "selected",
-        "position",
-        "train_minus_bayes",
-        "excess",
-        "heldout",
-        "imbalance",
-        "nu",
-    ),  # fmt: skip
-    full=lambda: _optimizer_sequence_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1)),
-    quick=lambda: _optimizer_sequence_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
+    columns=_grid_columns("selection_loss", "train_minus_bayes", "excess", "heldout", "imbalance", "nu"),
+    full=lambda: _method_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1), OPT_SEQ_N, OPT_SEQ_STEPS),
+    quick=lambda: _method_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
 )
 
 
@@ -1016,56 +1022,24 @@ def _run_optimizers_factored(spec: dict) -> List[dict]:
     res = opt.grid_search(
         lambda lr, on_divergence="stop": run_factored(spec, lr, on_divergence=on_divergence), grid, extend=12
     )
-    rows = []
-    for lr, score in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if score is not None and lr == res["lr"]:
-            row.update(opt.measure_factored(res["best"], task))
-        rows.append(row)
-    return rows
+    return _grid_rows(res, "score", lambda lr, h: opt.measure_factored(h, task))
 
 
 def _factored_specs(labels, conds, d_hs, seeds, steps=OPT_FACTOR_STEPS) -> List[dict]:
-    return [
-        dict(
-            run=f"{lab}:cond={c:g}:d_h={dh}:seed={s}",
-            label=lab,
-            cond=float(c),
-            d_h=int(dh),
-            seed=int(s),
-            steps=int(steps),
-            cost=float(steps) * (2.5 if lab == "shampoo" else 1.0),
-        )
-        for lab in labels
-        for c in conds
-        for dh in d_hs
-        for s in seeds
-    ]
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:d_h={s['d_h']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], d_h=[int(h) for h in d_hs], seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+        cost=lambda s: float(steps) * (2.5 if s["label"] == "shampoo" else 1.0),
+    )
 
 
 SWEEPS["optimizers_factored"] = dict(
     func=_run_optimizers_factored,
     spec_columns=("label", "cond", "d_h", "seed", "steps"),
-    columns=(
-        "lr",
-        "score",
-        "diverged",
-        "selected",
-        "position",
-        "steps_1e-6",
-        "steps_1e-10",
-        "max_after_1e-6",
-        "max_after_1e-10",
-        "final_excess",
-        "imb_qk",
-        "imb_ov",
-        "imb_qk_euclid",
-        "imb_ov_euclid",
-        "imbalance",
-        "nu",
-        "nu_over_s1",
-    ),  # fmt: skip
+    columns=_grid_columns(
+        "score", *_MEASURED, "imb_qk", "imb_ov", "imb_qk_euclid", "imb_ov_euclid", "imbalance", "nu", "nu_over_s1"
+    ),
     # d_h = d = 4 and d_h = rank(T) = k = 2 (the task of optimizer_task)
     full=lambda: _factored_specs(tuple(OPT_FACTOR_GRIDS), OPT_FACTOR_CONDS, (4, 2), (0, 1)),
     quick=lambda: _factored_specs(("structured", "adam"), (100.0,), (2,), (0,), steps=20),
@@ -1093,8 +1067,6 @@ def _run_optimizers_prompts(spec: dict) -> List[dict]:
     n, steps = int(spec["n"]), int(spec["steps"])
     start = optimizer_start(task, "near", spec["seed"])
     train_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:train")
-    select_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:select")
-    eval_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:evaluate")
 
     def run(lr, on_divergence="stop"):
         return opt.train_prompts(
@@ -1102,57 +1074,19 @@ def _run_optimizers_prompts(spec: dict) -> List[dict]:
             init=start, seed=train_seed, on_divergence=on_divergence,
         )  # fmt: skip
 
-    def score(h):
-        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=select_seed)
+    def tail(h):
+        t = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
+        return dict(train_minus_bayes=float(t.mean()), below_bayes=float(np.mean(t < 0)))
 
-    res = opt.grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
-    rows = []
-    for lr, s in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if s is not None and lr == res["lr"]:
-            h = res["best"]
-            tail = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
-            row.update(
-                train_minus_bayes=float(tail.mean()),
-                below_bayes=float(np.mean(tail < 0)),
-                excess=float(h.excess[-1]),
-                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=eval_seed)
-                - task.bayes_risk,
-                imbalance=opt.imbalance(h.A, h.B, task),
-                nu=opt.softmax_scale(h.A, h.B, task),
-            )
-        rows.append(row)
-    return rows
-
-
-def _optimizer_prompt_specs(labels, conds, seeds, n=OPT_PROMPT_N, steps=OPT_PROMPT_STEPS) -> List[dict]:
-    return [
-        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
-        for lab in labels
-        for c in conds
-        for s in seeds
-    ]
+    return _heldout_selected_rows(spec, task, run, "optimizers-prompts", OPT_PROMPT_HELDOUT, tail)
 
 
 SWEEPS["optimizers_prompts"] = dict(
     func=_run_optimizers_prompts,
     spec_columns=("label", "cond", "n", "seed", "steps"),
-    columns=(
-        "lr",
-        "selection_loss",
-        "diverged",
-        "selected",
-        "position",
-        "train_minus_bayes",
-        "below_bayes",
-        "excess",
-        "heldout",
-        "imbalance",
-        "nu",
-    ),  # fmt: skip
-    full=lambda: _optimizer_prompt_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1)),
-    quick=lambda: _optimizer_prompt_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+    columns=_grid_columns("selection_loss", "train_minus_bayes", "below_bayes", "excess", "heldout", "imbalance", "nu"),
+    full=lambda: _method_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1), OPT_PROMPT_N, OPT_PROMPT_STEPS),
+    quick=lambda: _method_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
 )
 
 
