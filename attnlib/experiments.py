@@ -1,4 +1,7 @@
-"""The scaling experiments of the last chapter: four resumable sweeps, their CLI and their fits.
+"""Every sweep of the book (``SWEEPS``: chapter 2's heavy tail, chapters 6 and 7), their CLI and the
+helpers that select their rows for the analysis (:mod:`attnlib.stats`). The runs go through the one
+resumable runner, :func:`attnlib.runner.run_sweep`, and are read back with the one reader,
+:func:`attnlib.runner.read_sweep` (re-exported here as :func:`read_sweep`).
 
 Command line (from the repository root; ``--workers N`` fans the runs out over a local Dask
 cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, default: in process)::
@@ -7,7 +10,11 @@ cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, defaul
     python -m attnlib.experiments trained  --out book/data/regime1_trained.csv  --workers 2
     python -m attnlib.experiments rate     --out book/data/regime1_rate.csv     --workers 2
     python -m attnlib.experiments prompts  --out book/data/regime2_prompts.csv  --workers 2
+    python -m attnlib.experiments heavy_tail --out book/data/heavy_tail.csv --workers 2
     python -m attnlib.experiments prompts --quick --out /tmp/q.csv             # seconds (tests)
+
+(the README lists every sweep and its command). The sections below describe the four sweeps of
+chapter 6's first design; the others are described where they are defined.
 
 Regime (i), ``n`` = the number of tokens of the one training sequence:
 
@@ -32,7 +39,9 @@ Regime (ii), ``n`` = context length, infinitely many prompts:
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
   from which :func:`prompt_excess` forms the unbiased U-statistic.
 
-All sweeps share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1`` (seed 0).
+The sweeps of chapter 6 share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1``
+(seed 0); chapter 7's sweeps use :func:`optimizer_task`, the heavy-tail sweep chapter 2's task
+(``HEAVY_TAIL_TASK``).
 """
 
 from __future__ import annotations

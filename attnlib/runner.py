@@ -17,6 +17,8 @@ id) and a module-level function ``func(spec) -> list of row dicts``. :func:`run_
 
 Rows are tidy: the spec's fields, then the function's columns, then ``run``, ``nrows``,
 ``cpu_s`` and ``wall_s`` (process CPU time and wall time of the run on its worker).
+:func:`read_sweep` is the one reader of such files: the complete runs, values typed by column,
+optionally as a pandas DataFrame.
 """
 
 from __future__ import annotations
