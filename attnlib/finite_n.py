@@ -277,7 +277,7 @@ def query_averaged_error(
     The fused kernel is used, in chunks of at most ``2^22`` scores, so memory
     stays bounded for ``n`` up to tens of thousands. Returns a tensor of shape
     ``(len(ns), n_seeds)``: one query average per sequence, so that fits can
-    resample sequences (:func:`fit_error_exponent`).
+    resample sequences (:func:`attnlib.stats.fit_error_exponent`).
     """
     task = _check_task(task)
     ns = _check_ns(ns)
