@@ -1,4 +1,7 @@
-"""The scaling experiments of the last chapter: four resumable sweeps, their CLI and their fits.
+"""Every sweep of the book (``SWEEPS``: chapter 2's heavy tail, chapters 6 and 7), their CLI and the
+helpers that select their rows for the analysis (:mod:`attnlib.stats`). The runs go through the one
+resumable runner, :func:`attnlib.runner.run_sweep`, and are read back with the one reader,
+:func:`attnlib.runner.read_sweep` (re-exported here as :func:`read_sweep`).
 
 Command line (from the repository root; ``--workers N`` fans the runs out over a local Dask
 cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, default: in process)::
@@ -7,7 +10,11 @@ cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, defaul
     python -m attnlib.experiments trained  --out book/data/regime1_trained.csv  --workers 2
     python -m attnlib.experiments rate     --out book/data/regime1_rate.csv     --workers 2
     python -m attnlib.experiments prompts  --out book/data/regime2_prompts.csv  --workers 2
+    python -m attnlib.experiments heavy_tail --out book/data/heavy_tail.csv --workers 2
     python -m attnlib.experiments prompts --quick --out /tmp/q.csv             # seconds (tests)
+
+(the README lists every sweep and its command). The sections below describe the four sweeps of
+chapter 6's first design; the others are described where they are defined.
 
 Regime (i), ``n`` = the number of tokens of the one training sequence:
 
@@ -32,29 +39,31 @@ Regime (ii), ``n`` = context length, infinitely many prompts:
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
   from which :func:`prompt_excess` forms the unbiased U-statistic.
 
-All sweeps share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1`` (seed 0).
+The sweeps of chapter 6 share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1``
+(seed 0); chapter 7's sweeps use :func:`optimizer_task`, the heavy-tail sweep chapter 2's task
+(``HEAVY_TAIL_TASK``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .finite_n import heldout_loss, softmax_scale
-from .geometry import distance_to_manifold, orbit_distance
+from .finite_n import heldout_loss, orbit_to_scale, query_averaged_error, softmax_scale
+from .geometry import distance_to_manifold, orbit_distance, random_manifold_point
 from .init import spectral_init
-from .optim import Snapshots, run_chain, train, train_prompts
+from .optim import ChainConfig, Snapshots, run_chain, train, train_prompts
 from .optim.grid import grid_search
-from .prompts import excess_ustat
 from .rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
-from .stats import ExponentFit, fit_exponent, ustat_exponent
+from .stats import ExponentFit, excess_ustat, fit_exponent, ustat_exponent
 from .task import Task
 
 __all__ = [
@@ -64,7 +73,11 @@ __all__ = [
     "make_task",
     "SWEEPS",
     "sweep",
-    "load",
+    "read_sweep",
+    "HEAVY_TAIL_TASK",
+    "HEAVY_TAIL_DESIGN",
+    "heavy_tail_point",
+    "heavy_tail_errors",
     "values_by_n",
     "trained_values",
     "series",
@@ -185,28 +198,41 @@ def _run_trained(spec: dict) -> List[dict]:
     return rows
 
 
-def _sequence_spec(renorm, kappa, noise, n, seed, lr, cost, **extra) -> dict:
-    """One regime-(i) run: a renormalization (and its cap), a noise level, one sequence ``(n, seed)``."""
-    return dict(
-        run=f"{renorm}:noise={noise}:n={n}:seed={seed}",
-        renorm=renorm,
-        kappa=kappa if kappa is not None else "",
-        noise_std=float(noise),
-        n=int(n),
-        seed=int(seed),
-        **extra,
-        lr=float(lr),
-        cost=float(cost),
-    )
+def _product_specs(run_id, axes: Dict, fixed, cost=None, after: Optional[dict] = None) -> List[dict]:
+    """One spec per point of the product of ``axes`` (field -> values, the last field varying fastest; a tuple
+    of fields takes tuples of values), then the ``fixed`` fields (a dict, or a function of the spec so far):
+    ``run`` = ``run_id(spec)`` first, then ``cost`` = ``cost(spec)`` (if given), then the fields ``after``."""
+    out = []
+    for values in itertools.product(*axes.values()):
+        spec = {}
+        for key, v in zip(axes, values):
+            spec.update(zip(key, v) if isinstance(key, tuple) else [(key, v)])
+        spec.update(fixed(spec) if callable(fixed) else fixed)
+        out.append({"run": run_id(spec), **spec, **({} if cost is None else {"cost": cost(spec)}), **(after or {})})
+    return out
+
+
+def _cap(kappa):
+    """A renormalization's cap as written in a spec (``""`` for none)."""
+    return kappa if kappa is not None else ""
+
+
+def _sequence_run_id(s: dict) -> str:
+    return f"{s['renorm']}:noise={s['noise_std']}:n={s['n']}:seed={s['seed']}"
 
 
 def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
-    return [
-        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2 * steps + 2e4 * steps, steps=int(steps))
-        for renorm, kappa, noise in configs
-        for n in ns
-        for seed in range(seeds)
-    ]
+    """One regime-(i) run per renormalization (and its cap), noise level and sequence ``(n, seed)``."""
+    return _product_specs(
+        _sequence_run_id,
+        {
+            ("renorm", "kappa", "noise_std"): [(r, _cap(k), float(z)) for r, k, z in configs],
+            "n": ns,
+            "seed": range(seeds),
+        },
+        dict(steps=int(steps), lr=float(lr)),
+        cost=lambda s: float(s["n"]) ** 2 * steps + 2e4 * steps,
+    )
 
 
 # ----------------------------------------------------------------------------- regime (i): rate
@@ -282,28 +308,13 @@ def _run_chain(spec: dict) -> List[dict]:
 def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_dtype=None) -> List[dict]:
     """Independent chains per scale and ``n``; ``attention_dtype`` (e.g. ``"float32"``), when given, is
     the attention part's dtype (:class:`attnlib.optim.PromptObjective`), kept in the spec."""
-    out = []
-    for label, mode, kappa in scales:
-        for n in ns:
-            P = prompts_per_step(n)
-            for c in range(chains):
-                out.append(
-                    dict(
-                        run=f"{label}:n={n}:chain={c}",
-                        label=label,
-                        mode=mode,
-                        kappa=kappa if kappa is not None else "",
-                        n=int(n),
-                        chain=int(c),
-                        steps=int(steps),
-                        burn_in=int(burn_in),
-                        prompts=P,
-                        lr=float(lr),
-                        cost=float(P) * n * n * steps,
-                        **({} if attention_dtype is None else dict(attention_dtype=str(attention_dtype))),
-                    )
-                )
-    return out
+    return _product_specs(
+        lambda s: f"{s['label']}:n={s['n']}:chain={s['chain']}",
+        {("label", "mode", "kappa"): [(lab, m, _cap(k)) for lab, m, k in scales], "n": ns, "chain": range(chains)},
+        lambda s: dict(steps=int(steps), burn_in=int(burn_in), prompts=prompts_per_step(s["n"]), lr=float(lr)),
+        cost=lambda s: float(s["prompts"]) * s["n"] * s["n"] * steps,
+        after={} if attention_dtype is None else dict(attention_dtype=str(attention_dtype)),
+    )
 
 
 # ----------------------------------------------------------------------------- regime (i): the limit (issue 21)
@@ -353,13 +364,16 @@ LIMIT_SLOW = 5  #: rotation directions of the sweeps' task (d = 4, rank 2: dim S
 
 
 def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) -> List[dict]:
-    return [
-        _sequence_spec(renorm, kappa, noise, n, seed, lr, float(n) ** 2)
-        for renorm, kappa in renorms
-        for noise in noises
-        for n, seeds in ns_seeds
-        for seed in range(seeds)
-    ]
+    return _product_specs(
+        _sequence_run_id,
+        {
+            ("renorm", "kappa"): [(r, _cap(k)) for r, k in renorms],
+            "noise_std": [float(z) for z in noises],
+            ("n", "seed"): [(int(n), s) for n, seeds in ns_seeds for s in range(seeds)],
+        },
+        dict(lr=float(lr)),
+        cost=lambda s: float(s["n"]) ** 2,
+    )
 
 
 #: The limit sweep's design (n, independent sequences); a larger machine would run (4096, 40) too.
@@ -368,16 +382,21 @@ LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
 # ----------------------------------------------------------------------------- regime (ii): the whole law (issue 21)
 
 
-def _law_chain(task: Task, n: int, prompts: int, steps: int, lr: float, mode: str, kappa, seed: int, init):
-    """One regime-(ii) chain (:func:`attnlib.optim.run_chain`); the residual ``A Sigma B^T - M`` at every step."""
+def _law_chain(spec: dict, task: Task, seed: int, init):
+    """One regime-(ii) chain of a ``law`` run (:func:`attnlib.optim.run_chain` with the spec's ``n``, ``prompts``,
+    ``steps``, ``lr``, ``mode`` and ``kappa``) from ``init`` on the prompt stream ``seed``; the residual
+    ``A Sigma B^T - M`` at every step (a hook)."""
     Es = []
 
     def residual(t, A, B, loss, recorded):
         with torch.no_grad():
             Es.append((A.detach() @ task.Sigma @ B.detach().T - task.M).detach())
 
-    run_chain(task, n, steps=steps, burn_in=0, prompts=prompts, lr=lr, renormalize=mode, nu_cap=kappa, seed=seed,
-              init=init, record_every=steps, hooks=(residual,))  # fmt: skip
+    nu_cap = None if spec["mode"] == "balance" else float(spec["kappa"])
+    steps = int(spec["steps"])
+    cfg = ChainConfig(steps=steps, burn_in=0, prompts=int(spec["prompts"]), lr=float(spec["lr"]), seed=seed, init=init,
+                      renormalize=spec["mode"], nu_cap=nu_cap, record_every=steps)  # fmt: skip
+    run_chain(task, int(spec["n"]), cfg, hooks=(residual,))
     return Es
 
 
@@ -409,11 +428,9 @@ def _run_law(spec: dict) -> List[dict]:
     iterates, ``gap = ||(E_pert - E_on) Sigma^{1/2}||_F`` and ``cross = <E_on, E_pert - E_on>``."""
     task = make_task(0.0)
     n, pair = int(spec["n"]), int(spec["pair"])
-    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
     seed = derive_seed(pair, f"regime-ii-law:{spec['label']}:n={n}")
     on, pert = law_starts(spec)
-    args = (task, n, int(spec["prompts"]), int(spec["steps"]), float(spec["lr"]), spec["mode"], kappa, seed)
-    E_on, E_pert = _law_chain(*args, on), _law_chain(*args, pert)
+    E_on, E_pert = _law_chain(spec, task, seed, on), _law_chain(spec, task, seed, pert)
     S_half = task.Sigma_sqrt
     rows = []
     for m, (a, b) in enumerate(zip(E_on, E_pert)):
@@ -430,9 +447,11 @@ def _run_law(spec: dict) -> List[dict]:
     return rows
 
 
-def _law_specs(label, mode, kappa, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
-    """Pairs of chains per ``n`` and start: P-distance ``radius`` for each of ``radii``, then (``spectral``)
+def _law_specs(scale, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
+    """Pairs of chains per ``n`` and start, at the renormalization ``scale = (label, mode, kappa)`` (an entry
+    of the form of ``PROMPT_SCALES``): P-distance ``radius`` for each of ``radii``, then (``spectral``)
     the spectral initialization from the first prompts (``radius`` empty, ``start=spectral`` in the name)."""
+    label, mode, kappa = scale
     starts = [float(r) for r in radii] + (["spectral"] if spectral else [])
     return [
         dict(
@@ -462,7 +481,7 @@ BEST_SCALE = (("cap0.145", "cap", 0.145),)
 
 #: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
 #: and 0.5 and the spectral initialization from the first prompts, 16 pairs of chains each.
-LAW_DESIGN = dict(label="cap0.25", mode="cap", kappa=0.25, ns=(64, 128, 256), pairs=16, spectral=True)
+LAW_DESIGN = dict(scale=PROMPT_SCALES[0], ns=(64, 128, 256), pairs=16, spectral=True)
 
 #: The light-tailed sweep extended beyond n = 1024 (issue 21): the cap 1/4 at n = 2048 (8 chains) and
 #: 4096 (12 chains), float32 attention (the moment kernel; benchmarks/prompts_engines.md), chains sized
@@ -478,6 +497,21 @@ def _large_specs(design=LARGE_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[di
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
 
+#: The spec columns of the regime-(i) sweeps on one sequence (``trained``, ``rate``).
+_SEQUENCE_SPEC = ("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr")
+#: The spec columns and the columns of the regime-(ii) chain sweeps (``prompts``, ``prompts_best``,
+#: ``prompts_large``, which adds ``attention_dtype``): one row per chain, its averaged residual ``r0..``.
+_CHAIN_SPEC = ("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr")
+_CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
+    "naive_excess",
+    "test_excess",
+    "scale",
+    "last_excess",
+    "batches",
+)
+
+#: name -> dict(func, spec_columns, columns, full, quick): ``func(spec) -> rows`` (module level), the spec
+#: fields written to every row, the columns ``func`` returns, and the full and quick spec lists (functions).
 SWEEPS: Dict[str, dict] = {
     "spectral": dict(
         func=_run_spectral,
@@ -488,23 +522,22 @@ SWEEPS: Dict[str, dict] = {
     ),
     "trained": dict(
         func=_run_trained,
-        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        spec_columns=_SEQUENCE_SPEC,
         columns=("step", "excess", "dist", "objective", "test_loss", "diverged", "scale"),
         full=lambda: _trained_specs(_TRAINED_CONFIGS, [2**i for i in range(5, 11)], 40),
         quick=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (32, 64), 2, steps=5),
     ),
     "rate": dict(
         func=_run_rate,
-        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr"),
+        spec_columns=_SEQUENCE_SPEC,
         columns=("step", "excess", "dist", "orbit_dist", "objective"),
         full=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (128, 512, 1024), 4, steps=300),
         quick=lambda: _trained_specs((("balance", None, 0.1),), (32,), 2, steps=20),
     ),
     "prompts": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC,
+        columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(PROMPT_SCALES, [2**i for i in range(4, 11)], 6),
         quick=lambda: _prompt_specs(
             (("balance", "balance", None), ("cap0.25", "cap", 0.25)), (16, 32), 3, steps=12, burn_in=4
@@ -536,17 +569,15 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_best": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC,
+        columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
         quick=lambda: _prompt_specs(BEST_SCALE, (16,), 3, steps=12, burn_in=4),
     ),
     "prompts_large": dict(
         func=_run_chain,
-        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr", "attention_dtype"),
-        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
-        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        spec_columns=_CHAIN_SPEC + ("attention_dtype",),
+        columns=_CHAIN_COLUMNS,
         full=lambda: _large_specs(),
         quick=lambda: _large_specs((((16,), 3),), steps=12, burn_in=4),
     ),
@@ -555,7 +586,7 @@ SWEEPS: Dict[str, dict] = {
         spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
         columns=("step", "excess_on", "excess_pert", "gap", "cross"),
         full=lambda: _law_specs(**LAW_DESIGN),
-        quick=lambda: _law_specs("cap0.25", "cap", 0.25, (16,), 2, steps=5, radii=(0.1,), spectral=True),
+        quick=lambda: _law_specs(PROMPT_SCALES[0], (16,), 2, steps=5, radii=(0.1,), spectral=True),
     ),
 }
 
@@ -566,11 +597,6 @@ def sweep(name: str, quick: bool = False) -> Sweep:
         raise ValueError(f"name: expected one of {tuple(SWEEPS)}, got {name!r}")
     s = SWEEPS[name]
     return Sweep(name, s["func"], s["quick" if quick else "full"](), s["spec_columns"], s["columns"])
-
-
-def load(path: str) -> List[Dict[str, object]]:
-    """Rows of a sweep CSV (complete runs only); see ``attnlib.runner.read_sweep``."""
-    return read_sweep(path)
 
 
 # ----------------------------------------------------------------------------- analysis helpers
@@ -702,7 +728,7 @@ def prompt_residuals(rows, label: str) -> Dict[int, np.ndarray]:
 
 
 def prompt_excess(rows, label: str) -> Dict[int, dict]:
-    """Per ``n``: ``attnlib.prompts.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+    """Per ``n``: ``attnlib.stats.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
     Sigma = make_task(0.0).Sigma
     return {n: excess_ustat(Rs, Sigma) for n, Rs in prompt_residuals(rows, label).items()}
 
@@ -791,6 +817,65 @@ def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_
     return h, h.step_rule
 
 
+def _grid_rows(res: dict, score: str, measure) -> List[dict]:
+    """One row per step size of a grid search (``attnlib.optimizers.grid_search``): ``lr``, its score (column
+    ``score``, NaN where the run diverged), ``diverged``, ``selected``, ``position``, and at the selected step
+    the columns of ``measure(lr, history)``."""
+    rows = []
+    for lr, s in zip(res["lrs"], res["scores"]):
+        row = {"lr": lr, score: float("nan") if s is None else s, "diverged": s is None}
+        row.update(selected=lr == res["lr"], position=res["position"])
+        if s is not None and lr == res["lr"]:
+            row.update(measure(lr, res["best"]))
+        rows.append(row)
+    return rows
+
+
+def _grid_columns(score: str, *measured: str) -> tuple:
+    """The columns of :func:`_grid_rows` with the score column ``score`` and the measured columns."""
+    return ("lr", score, "diverged", "selected", "position") + measured
+
+
+#: The columns the chapter-7 sweeps measure at the selected step (``attnlib.optimizers.measure``).
+_MEASURED = ("steps_1e-6", "steps_1e-10", "max_after_1e-6", "max_after_1e-10", "final_excess")
+
+
+def _heldout_selected_rows(spec: dict, task: Task, run, stream: str, n_heldout: int, extra) -> List[dict]:
+    """Grid search of ``run(lr, on_divergence)`` over the spec's method grid, the step selected by the loss of
+    the finite layer on ``n_heldout`` fresh sequences of length ``spec["n"]`` (stream ``<stream>:select``);
+    the selected run is evaluated on ``n_heldout`` other fresh sequences (``<stream>:evaluate``) and measured:
+    ``extra(history)``, then ``excess``, ``heldout`` (minus the Bayes risk), ``imbalance``, ``nu``."""
+    from .optim import optimizers as opt
+
+    n = int(spec["n"])
+    select_seed = derive_seed(int(spec["seed"]), f"{stream}:select")
+    eval_seed = derive_seed(int(spec["seed"]), f"{stream}:evaluate")
+
+    def score(h):
+        return heldout_loss(h.A, h.B, task, n, n_sequences=n_heldout, seed=select_seed)
+
+    def measure(lr, h):
+        return dict(
+            extra(h),
+            excess=float(h.excess[-1]),
+            heldout=heldout_loss(h.A, h.B, task, n, n_sequences=n_heldout, seed=eval_seed) - task.bayes_risk,
+            imbalance=opt.imbalance(h.A, h.B, task),
+            nu=opt.softmax_scale(h.A, h.B, task),
+        )
+
+    res = grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
+    return _grid_rows(res, "selection_loss", measure)
+
+
+def _method_specs(labels, conds, seeds, n: int, steps: int) -> List[dict]:
+    """One run per method, cond(Sigma) and seed at sequence or context length ``n`` (chapter 7)."""
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:n={s['n']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], n=(int(n),), seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+    )
+
+
 def _run_optimizers(spec: dict) -> List[dict]:
     from .optim import optimizers as opt
 
@@ -802,58 +887,26 @@ def _run_optimizers(spec: dict) -> List[dict]:
         steps_of[float(lr)] = st
         return h
 
-    res = grid_search(run, optimizer_grid(spec["label"]), extend=12)
-    rows = []
-    for lr, score in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if score is not None and lr == res["lr"]:
-            h = res["best"]
-            row.update(opt.measure(h, task, n=OPT_HELDOUT_N, seed=derive_seed(int(spec["seed"]), "heldout")))
-            # the preconditioner in the coordinates trained on (whitened: Sigma = I there, so the raw Sigma's
-            # eigenvectors are read in the raw coordinates only)
-            row["slope"] = opt.preconditioner_slope(steps_of[lr], task) if spec["tokens"] == "raw" else float("nan")
-        rows.append(row)
-    return rows
+    def measure(lr, h):
+        row = opt.measure(h, task, n=OPT_HELDOUT_N, seed=derive_seed(int(spec["seed"]), "heldout"))
+        # the preconditioner in the coordinates trained on (whitened: Sigma = I there, so the raw Sigma's
+        # eigenvectors are read in the raw coordinates only)
+        row["slope"] = opt.preconditioner_slope(steps_of[lr], task) if spec["tokens"] == "raw" else float("nan")
+        return row
+
+    return _grid_rows(grid_search(run, optimizer_grid(spec["label"]), extend=12), "score", measure)
 
 
-_OPT_COLUMNS = (
-    "lr",
-    "score",
-    "diverged",
-    "selected",
-    "position",
-    "steps_1e-6",
-    "steps_1e-10",
-    "max_after_1e-6",
-    "max_after_1e-10",
-    "final_excess",
-    "imbalance",
-    "nu",
-    "heldout",
-    "time_per_step",
-    "slope",
-)
+_OPT_COLUMNS = _grid_columns("score", *_MEASURED, "imbalance", "nu", "heldout", "time_per_step", "slope")
 
 
 def _optimizer_specs(labels, conds, tokens, starts, seeds, steps=OPT_STEPS) -> List[dict]:
-    return [
-        dict(
-            run=f"{lab}:cond={c:g}:{tok}:{st}:seed={s}",
-            label=lab,
-            cond=float(c),
-            tokens=tok,
-            start=st,
-            seed=int(s),
-            steps=int(steps),
-            cost=float(steps) * (3.0 if "shampoo" in lab or lab == "soap" else 1.0),
-        )
-        for lab in labels
-        for c in conds
-        for tok in tokens
-        for st in starts
-        for s in seeds
-    ]
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:{s['tokens']}:{s['start']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], tokens=tokens, start=starts, seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+        cost=lambda s: float(steps) * (3.0 if "shampoo" in s["label"] or s["label"] == "soap" else 1.0),
+    )
 
 
 SWEEPS["optimizers"] = dict(
@@ -875,15 +928,12 @@ OPT_SEQ_STEPS = 300
 
 
 def _run_optimizers_sequence(spec: dict) -> List[dict]:
-    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     n = int(spec["n"])
     X, Y = task.sample(n, seed=derive_seed(int(spec["seed"]), f"optimizers-sequence:n={n}"))
     method, extra, _ = OPT_METHODS[spec["label"]]
     start = optimizer_start(task, "saddle", spec["seed"])
-    select_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:select")
-    eval_seed = derive_seed(int(spec["seed"]), "optimizers-sequence:evaluate")
 
     def run(lr, on_divergence="stop"):
         return train(
@@ -891,53 +941,18 @@ def _run_optimizers_sequence(spec: dict) -> List[dict]:
             record_every=int(spec["steps"]), on_divergence=on_divergence, **extra,
         )  # fmt: skip
 
-    def score(h):
-        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=select_seed)
+    def train_minus_bayes(h):
+        return dict(train_minus_bayes=float(h.loss[-1]) - task.bayes_risk)
 
-    res = grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
-    rows = []
-    for lr, s in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if s is not None and lr == res["lr"]:
-            h = res["best"]
-            row.update(
-                train_minus_bayes=float(h.loss[-1]) - task.bayes_risk,
-                excess=float(h.excess[-1]),
-                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_SEQ_HELDOUT, seed=eval_seed) - task.bayes_risk,
-                imbalance=opt.imbalance(h.A, h.B, task),
-                nu=opt.softmax_scale(h.A, h.B, task),
-            )
-        rows.append(row)
-    return rows
-
-
-def _optimizer_sequence_specs(labels, conds, seeds, n=OPT_SEQ_N, steps=OPT_SEQ_STEPS) -> List[dict]:
-    return [
-        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
-        for lab in labels
-        for c in conds
-        for s in seeds
-    ]
+    return _heldout_selected_rows(spec, task, run, "optimizers-sequence", OPT_SEQ_HELDOUT, train_minus_bayes)
 
 
 SWEEPS["optimizers_sequence"] = dict(
     func=_run_optimizers_sequence,
     spec_columns=("label", "cond", "n", "seed", "steps"),
-    columns=(
-        "lr",
-        "selection_loss",
-        "diverged",
-        "selected",
-        "position",
-        "train_minus_bayes",
-        "excess",
-        "heldout",
-        "imbalance",
-        "nu",
-    ),  # fmt: skip
-    full=lambda: _optimizer_sequence_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1)),
-    quick=lambda: _optimizer_sequence_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
+    columns=_grid_columns("selection_loss", "train_minus_bayes", "excess", "heldout", "imbalance", "nu"),
+    full=lambda: _method_specs(tuple(OPT_METHODS), (10.0, 1000.0), (0, 1), OPT_SEQ_N, OPT_SEQ_STEPS),
+    quick=lambda: _method_specs(("structured", "shampoo"), (10.0,), (0,), n=32, steps=5),
 )
 
 
@@ -982,56 +997,24 @@ def _run_optimizers_factored(spec: dict) -> List[dict]:
     res = grid_search(
         lambda lr, on_divergence="stop": run_factored(spec, lr, on_divergence=on_divergence), grid, extend=12
     )
-    rows = []
-    for lr, score in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, score=float("nan") if score is None else score, diverged=score is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if score is not None and lr == res["lr"]:
-            row.update(opt.measure_factored(res["best"], task))
-        rows.append(row)
-    return rows
+    return _grid_rows(res, "score", lambda lr, h: opt.measure_factored(h, task))
 
 
 def _factored_specs(labels, conds, d_hs, seeds, steps=OPT_FACTOR_STEPS) -> List[dict]:
-    return [
-        dict(
-            run=f"{lab}:cond={c:g}:d_h={dh}:seed={s}",
-            label=lab,
-            cond=float(c),
-            d_h=int(dh),
-            seed=int(s),
-            steps=int(steps),
-            cost=float(steps) * (2.5 if lab == "shampoo" else 1.0),
-        )
-        for lab in labels
-        for c in conds
-        for dh in d_hs
-        for s in seeds
-    ]
+    return _product_specs(
+        lambda s: f"{s['label']}:cond={s['cond']:g}:d_h={s['d_h']}:seed={s['seed']}",
+        dict(label=labels, cond=[float(c) for c in conds], d_h=[int(h) for h in d_hs], seed=[int(s) for s in seeds]),
+        dict(steps=int(steps)),
+        cost=lambda s: float(steps) * (2.5 if s["label"] == "shampoo" else 1.0),
+    )
 
 
 SWEEPS["optimizers_factored"] = dict(
     func=_run_optimizers_factored,
     spec_columns=("label", "cond", "d_h", "seed", "steps"),
-    columns=(
-        "lr",
-        "score",
-        "diverged",
-        "selected",
-        "position",
-        "steps_1e-6",
-        "steps_1e-10",
-        "max_after_1e-6",
-        "max_after_1e-10",
-        "final_excess",
-        "imb_qk",
-        "imb_ov",
-        "imb_qk_euclid",
-        "imb_ov_euclid",
-        "imbalance",
-        "nu",
-        "nu_over_s1",
-    ),  # fmt: skip
+    columns=_grid_columns(
+        "score", *_MEASURED, "imb_qk", "imb_ov", "imb_qk_euclid", "imb_ov_euclid", "imbalance", "nu", "nu_over_s1"
+    ),
     # d_h = d = 4 and d_h = rank(T) = k = 2 (the task of optimizer_task)
     full=lambda: _factored_specs(tuple(OPT_FACTOR_GRIDS), OPT_FACTOR_CONDS, (4, 2), (0, 1)),
     quick=lambda: _factored_specs(("structured", "adam"), (100.0,), (2,), (0,), steps=20),
@@ -1053,14 +1036,11 @@ OPT_PROMPT_TAIL = 50
 
 
 def _run_optimizers_prompts(spec: dict) -> List[dict]:
-    from .optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     n, steps = int(spec["n"]), int(spec["steps"])
     start = optimizer_start(task, "near", spec["seed"])
     train_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:train")
-    select_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:select")
-    eval_seed = derive_seed(int(spec["seed"]), "optimizers-prompts:evaluate")
 
     def run(lr, on_divergence="stop"):
         return train_prompts(
@@ -1068,57 +1048,114 @@ def _run_optimizers_prompts(spec: dict) -> List[dict]:
             init=start, seed=train_seed, on_divergence=on_divergence,
         )  # fmt: skip
 
-    def score(h):
-        return heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=select_seed)
+    def tail(h):
+        t = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
+        return dict(train_minus_bayes=float(t.mean()), below_bayes=float(np.mean(t < 0)))
 
-    res = grid_search(run, optimizer_grid(spec["label"]), score=score, extend=12)
-    rows = []
-    for lr, s in zip(res["lrs"], res["scores"]):
-        row = dict(lr=lr, selection_loss=float("nan") if s is None else s, diverged=s is None)
-        row.update(selected=lr == res["lr"], position=res["position"])
-        if s is not None and lr == res["lr"]:
-            h = res["best"]
-            tail = np.asarray(h.loss[-OPT_PROMPT_TAIL:]) - task.bayes_risk
-            row.update(
-                train_minus_bayes=float(tail.mean()),
-                below_bayes=float(np.mean(tail < 0)),
-                excess=float(h.excess[-1]),
-                heldout=heldout_loss(h.A, h.B, task, n, n_sequences=OPT_PROMPT_HELDOUT, seed=eval_seed)
-                - task.bayes_risk,
-                imbalance=opt.imbalance(h.A, h.B, task),
-                nu=opt.softmax_scale(h.A, h.B, task),
-            )
-        rows.append(row)
-    return rows
-
-
-def _optimizer_prompt_specs(labels, conds, seeds, n=OPT_PROMPT_N, steps=OPT_PROMPT_STEPS) -> List[dict]:
-    return [
-        dict(run=f"{lab}:cond={c:g}:n={n}:seed={s}", label=lab, cond=float(c), n=int(n), seed=int(s), steps=int(steps))
-        for lab in labels
-        for c in conds
-        for s in seeds
-    ]
+    return _heldout_selected_rows(spec, task, run, "optimizers-prompts", OPT_PROMPT_HELDOUT, tail)
 
 
 SWEEPS["optimizers_prompts"] = dict(
     func=_run_optimizers_prompts,
     spec_columns=("label", "cond", "n", "seed", "steps"),
-    columns=(
-        "lr",
-        "selection_loss",
-        "diverged",
-        "selected",
-        "position",
-        "train_minus_bayes",
-        "below_bayes",
-        "excess",
-        "heldout",
-        "imbalance",
-        "nu",
-    ),  # fmt: skip
-    full=lambda: _optimizer_prompt_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1)),
-    quick=lambda: _optimizer_prompt_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+    columns=_grid_columns("selection_loss", "train_minus_bayes", "below_bayes", "excess", "heldout", "imbalance", "nu"),
+    full=lambda: _method_specs(OPT_PROMPT_METHODS, (10.0, 1000.0), (0, 1), OPT_PROMPT_N, OPT_PROMPT_STEPS),
+    quick=lambda: _method_specs(("structured", "adam"), (10.0,), (0,), n=16, steps=5),
+)
+
+
+# ----------------------------------------------------------------------------- chapter 2: the heavy tail
+#
+# ``heavy_tail``: the query-averaged error ``E_{q,X} ||f(q; X) - A Sigma B^T q||^2`` of the finite layer along
+# an orbit (chapter 2, section "Averaged over queries"). The point is the balanced minimum
+# ``random_manifold_point(task, seed=HEAVY_TAIL_MANIFOLD_SEED)`` of chapter 2's task, moved along the orbit
+# ``(t At, C / t)`` to each softmax scale ``lambda_max(C^T C)`` (the population loss is the same at every point);
+# one run = one (scale, include_self, n): ``attnlib.finite_n.query_averaged_error`` on ``seeds`` independent
+# sequences of ``n`` tokens, each with ``n_queries`` fresh queries (``include_self=0``) or its own first
+# ``n_queries`` tokens as queries (``include_self=1``, the scales of HEAVY_TAIL_DESIGN["self_scales"]); a row per
+# sequence (``seed`` = its draw index). The full sweep took 18 minutes on one core of the shared 2-core machine.
+
+#: Chapter 2's task (arguments of :meth:`attnlib.task.Task.random`) and the seed of its balanced minimum.
+HEAVY_TAIL_TASK = dict(d=4, k=2, cond=4.0, signal=1.0, noise_std=0.2, seed=3)
+HEAVY_TAIL_MANIFOLD_SEED = 4
+#: The heavy-tail sweep's design: softmax scales, the scales also run with the sequence's own tokens as
+#: queries, sequence lengths, sequences per length, queries per sequence, the seed of the draws.
+HEAVY_TAIL_DESIGN = dict(
+    scales=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5),
+    self_scales=(0.2, 1.0),
+    ns=(256, 512, 1024, 2048, 4096, 8192, 16384),
+    seeds=96,
+    n_queries=1024,
+    seed=2026,
+)
+
+
+def heavy_tail_point():
+    """``(task, A, B)``: chapter 2's task and the balanced minimum the heavy-tail sweep moves along its orbit."""
+    task = Task.random(**HEAVY_TAIL_TASK)
+    A, B, _ = random_manifold_point(task, seed=HEAVY_TAIL_MANIFOLD_SEED)
+    return task, A, B
+
+
+def _run_heavy_tail(spec: dict) -> List[dict]:
+    task, A, B = heavy_tail_point()
+    Ac, Bc = orbit_to_scale(A, B, task, float(spec["scale"]))
+    E = query_averaged_error(
+        Ac,
+        Bc,
+        task,
+        [int(spec["n"])],
+        n_queries=int(spec["n_queries"]),
+        n_seeds=int(spec["seeds"]),
+        seed=int(spec["base_seed"]),
+        include_self=bool(spec["include_self"]),
+    )[0]
+    return [dict(seed=s, error=float(E[s])) for s in range(E.shape[0])]
+
+
+def _heavy_tail_specs(scales, self_scales, ns, seeds, n_queries, seed) -> List[dict]:
+    """Fresh queries at every scale of ``scales``, then the sequence's own tokens at every scale of ``self_scales``."""
+    return [
+        dict(
+            run=f"scale={float(c)!r}:self={flag}:n={int(n)}",
+            scale=float(c),
+            include_self=flag,
+            n=int(n),
+            n_queries=int(n_queries),
+            seeds=int(seeds),
+            base_seed=int(seed),
+            cost=float(n) * n_queries * seeds,
+        )
+        for flag, cs in ((0, scales), (1, self_scales))
+        for c in cs
+        for n in ns
+    ]
+
+
+def heavy_tail_errors(rows, scale: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The block of ``heavy_tail`` rows at one softmax ``scale``: ``(ns, errors)``.
+
+    ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the sequences in the order of
+    their draw index (the input of :func:`attnlib.stats.fit_error_exponent`). Raises ``ValueError``
+    if there are no rows for ``scale`` or the lengths have different numbers of sequences.
+    """
+    flag = int(bool(include_self))
+    sel = [r for r in rows if r["scale"] == float(scale) and r["include_self"] == flag]
+    if not sel:
+        raise ValueError(f"scale: no rows with scale {scale!r} and include_self={bool(include_self)}")
+    ns = sorted({int(r["n"]) for r in sel})
+    by_n = {n: [r["error"] for r in sorted((r for r in sel if r["n"] == n), key=lambda r: r["seed"])] for n in ns}
+    if len({len(v) for v in by_n.values()}) != 1:
+        raise ValueError(f"rows: the lengths at scale {scale!r} have different numbers of sequences")
+    return np.array(ns), np.array([by_n[n] for n in ns])
+
+
+SWEEPS["heavy_tail"] = dict(
+    func=_run_heavy_tail,
+    spec_columns=("scale", "include_self", "n", "n_queries"),
+    columns=("seed", "error"),
+    full=lambda: _heavy_tail_specs(**HEAVY_TAIL_DESIGN),
+    quick=lambda: _heavy_tail_specs((0.2, 1.0), (1.0,), (64, 128), 4, 64, HEAVY_TAIL_DESIGN["seed"]),
 )
 
 

@@ -13,17 +13,13 @@ fresh sequences of the same length.
 
 from __future__ import annotations
 
-import csv
 import math
-import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ._validate import check_matrix, check_positive_int
-from .fits import PowerLawFit, fit_power_law
 from .layer import attention, attention_limit, empirical_loss
 from .linalg import sym_sqrt
 from .rng import derive_seed
@@ -42,10 +38,6 @@ __all__ = [
     "self_token_errors",
     "self_token_term",
     "self_token_prediction",
-    "fit_error_exponent",
-    "query_averaged_sweep",
-    "read_sweep",
-    "sweep_errors",
     "heldout_loss",
 ]
 
@@ -285,7 +277,7 @@ def query_averaged_error(
     The fused kernel is used, in chunks of at most ``2^22`` scores, so memory
     stays bounded for ``n`` up to tens of thousands. Returns a tensor of shape
     ``(len(ns), n_seeds)``: one query average per sequence, so that fits can
-    resample sequences (:func:`fit_error_exponent`).
+    resample sequences (:func:`attnlib.stats.fit_error_exponent`).
     """
     task = _check_task(task)
     ns = _check_ns(ns)
@@ -437,134 +429,6 @@ def self_token_prediction(A, B, Sigma: SigmaLike, queries) -> Dict[str, torch.Te
     trV = torch.exp(s) * (torch.trace(A @ Sigma @ A.T) + (ASa**2).sum(1))
     mse = p**2 * (r**2).sum(1) - 2 * p * trV - 4 * p * torch.exp(s) * (ASa * r).sum(1)
     return {"weight": p, "shift": p[:, None] * r, "bias": -torch.exp(s)[:, None] * ASa, "mse": mse}
-
-
-def fit_error_exponent(
-    ns: Sequence[int], errors, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95
-) -> PowerLawFit:
-    r"""Power law ``mean error ~ c n^slope`` through the per-``n`` means, with a bootstrap over sequences.
-
-    ``errors`` has shape ``(len(ns), n_seeds)``: one value per independent
-    sequence (as returned by :func:`query_averaged_error`). The slope is the
-    least-squares slope of ``log(mean over sequences)`` against ``log n``;
-    the interval resamples the sequences at each ``n`` independently
-    (``n_boot`` times, seeded) and refits: a percentile interval at ``level``.
-    """
-    ns = _check_ns(ns)
-    E = np.asarray(errors.numpy() if isinstance(errors, torch.Tensor) else errors, dtype=float)
-    if E.ndim != 2 or E.shape[0] != len(ns):
-        raise ValueError(f"errors: expected shape ({len(ns)}, n_seeds), got {E.shape}")
-    if E.shape[1] < 2:
-        raise ValueError(f"errors: need at least two sequences per n for the bootstrap, got {E.shape[1]}")
-    if not np.all(np.isfinite(E)) or np.any(E <= 0):
-        raise ValueError("errors: expected finite positive values")
-    n_boot = check_positive_int(n_boot, "n_boot")
-    if not 0 < level < 1:
-        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
-    fit = fit_power_law(ns, E.mean(1))
-    lx = np.log(np.asarray(ns, dtype=float))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, E.shape[1], size=(n_boot,) + E.shape)  # independent resampling at each n
-    means = np.take_along_axis(np.broadcast_to(E, idx.shape), idx, axis=2).mean(2)  # (n_boot, len(ns))
-    slopes = np.polyfit(lx, np.log(means).T, 1)[0]
-    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
-    fit.ci = (float(lo), float(hi))
-    return fit
-
-
-_SWEEP_FIELDS = ["scale", "include_self", "n", "seed", "n_queries", "error"]
-
-
-def read_sweep(path: str) -> List[dict]:
-    """The rows of a CSV written by :func:`query_averaged_sweep` (typed: floats and ints)."""
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as fh:
-        return [
-            {
-                "scale": float(r["scale"]),
-                "include_self": int(r["include_self"]),
-                "n": int(r["n"]),
-                "seed": int(r["seed"]),
-                "n_queries": int(r["n_queries"]),
-                "error": float(r["error"]),
-            }
-            for r in csv.DictReader(fh)
-        ]
-
-
-def sweep_errors(rows: Sequence[dict], scale: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-    """The block of sweep ``rows`` at one softmax ``scale``: ``(ns, errors)``.
-
-    ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the
-    sequences in the order of their draw index (the input of :func:`fit_error_exponent`).
-    Raises ``ValueError`` if there are no rows for ``scale`` or the lengths have different numbers of sequences.
-    """
-    flag = int(bool(include_self))
-    sel = [r for r in rows if r["scale"] == float(scale) and r["include_self"] == flag]
-    if not sel:
-        raise ValueError(f"scale: no rows with scale {scale!r} and include_self={bool(include_self)}")
-    ns = sorted({r["n"] for r in sel})
-    by_n = {n: [r["error"] for r in sorted((r for r in sel if r["n"] == n), key=lambda r: r["seed"])] for n in ns}
-    if len({len(v) for v in by_n.values()}) != 1:
-        raise ValueError(f"rows: the lengths at scale {scale!r} have different numbers of sequences")
-    return np.array(ns), np.array([by_n[n] for n in ns])
-
-
-def query_averaged_sweep(
-    A,
-    B,
-    task: Task,
-    scales: Sequence[float],
-    ns: Sequence[int],
-    *,
-    n_queries: int = 256,
-    n_seeds: int = 32,
-    seed: int = 0,
-    include_self: bool = False,
-    out: Optional[str] = None,
-) -> List[dict]:
-    """:func:`query_averaged_error` at several points of the orbit of ``(A, B)`` (:func:`orbit_to_scale`).
-
-    Returns one row per scale, ``n`` and sequence: ``scale``, ``include_self``
-    (0/1), ``n``, ``seed`` (the draw index ``s`` of :func:`query_averaged_error`),
-    ``n_queries``, ``error`` (the query average on that sequence). With ``out``
-    (a CSV path) rows are appended after each ``(scale, n)`` and blocks already
-    in the file are not recomputed, so an interrupted sweep resumes; the rows
-    returned are those of the file for the requested blocks.
-    """
-    task = _check_task(task)
-    ns = _check_ns(ns)
-    scales = [float(c) for c in scales]
-    if not scales:
-        raise ValueError("scales: expected at least one softmax scale")
-    flag = int(bool(include_self))
-    rows = read_sweep(out) if out is not None else []
-    have = {(r["scale"], r["include_self"], r["n"]) for r in rows}
-    if out is not None and not os.path.exists(out):
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w", newline="") as fh:
-            csv.DictWriter(fh, _SWEEP_FIELDS).writeheader()
-    for c in scales:
-        Ac, Bc = orbit_to_scale(A, B, task, c)
-        for n in ns:
-            if (c, flag, n) in have:
-                continue
-            E = query_averaged_error(
-                Ac, Bc, task, [n], n_queries=n_queries, n_seeds=n_seeds, seed=seed, include_self=bool(include_self)
-            )[0]
-            new = [
-                {"scale": c, "include_self": flag, "n": n, "seed": s, "n_queries": n_queries, "error": float(E[s])}
-                for s in range(n_seeds)
-            ]
-            rows.extend(new)
-            if out is not None:
-                with open(out, "a", newline="") as fh:
-                    w = csv.DictWriter(fh, _SWEEP_FIELDS)
-                    for r in new:
-                        w.writerow({**r, "error": repr(r["error"])})
-    wanted = set(scales)
-    return [r for r in rows if r["scale"] in wanted and r["include_self"] == flag and r["n"] in set(ns)]
 
 
 def heldout_loss(A, B, task: Task, n: int, *, n_sequences: int = 4, seed: int = 0) -> float:

@@ -16,7 +16,7 @@ minimized with fresh prompts at every step. Ingredients (each tested in ``tests/
   stochastic objective, with the control variate ``L(theta) + mean_b [Lhat_n(X_b) - Lhat_lim(X_b)]``,
   ``Lhat_lim`` the limit layer on the same tokens) and the presets :func:`attnlib.optim.run_chain`
   and :func:`attnlib.optim.train_prompts`;
-* :func:`excess_ustat`: from ``K`` independent chains, an estimate of ``L(theta_n) - L*`` that is
+* :func:`attnlib.stats.excess_ustat`: from ``K`` independent chains, an estimate of ``L(theta_n) - L*`` that is
   unbiased under the Monte Carlo noise of the chains (a U-statistic over pairs), with a
   jackknife standard error.
 
@@ -26,10 +26,6 @@ plus ``k sigma^2 / 2`` (the layer's output does not depend on the labels).
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +37,6 @@ __all__ = [
     "batched_attention",
     "prompt_losses",
     "limit_losses",
-    "excess_ustat",
 ]
 
 
@@ -119,38 +114,3 @@ def _prompt_losses(A, B, X, Y) -> torch.Tensor:
     kv = X[:, None]
     out = F.scaled_dot_product_attention((X @ B)[:, None], kv, kv, scale=1.0)[:, 0] @ A.T
     return 0.5 * ((out - Y) ** 2).sum(dim=(1, 2)) / X.shape[1]
-
-
-def excess_ustat(Rs: Sequence[np.ndarray], Sigma) -> dict:
-    r"""Estimate ``1/2 ||E[R] Sigma^{1/2}||_F^2`` from independent residuals ``R_1..R_K`` (K >= 2).
-
-    ``U = 1/(K(K-1)) sum_{i != j} 1/2 tr(R_i Sigma R_j^T)`` is unbiased whatever the (zero-mean)
-    noise of each ``R_i`` around ``E[R]`` (independent chains: ``E tr(R_i Sigma R_j^T) =
-    tr(E R Sigma E R^T)`` for ``i != j``), unlike ``1/2 ||mean_i R_i Sigma^{1/2}||^2``, which is
-    biased upwards by ``tr(Cov)/(2K)``. Returns ``{"excess", "se", "naive", "K"}``; ``se`` is the
-    jackknife standard error (leave one chain out). ``excess`` may be negative when the noise
-    dominates.
-    """
-    R = np.asarray(Rs, dtype=float)
-    if R.ndim != 3 or R.shape[0] < 2:
-        raise ValueError(f"Rs: expected at least two residual matrices of equal shape, got shape {R.shape}")
-    S = np.asarray(as_covariance(Sigma).cpu().numpy() if not isinstance(Sigma, np.ndarray) else Sigma, dtype=float)
-    if S.shape != (R.shape[2], R.shape[2]):
-        raise ValueError(f"Sigma: expected shape {(R.shape[2], R.shape[2])}, got {S.shape}")
-    K = R.shape[0]
-    G = np.einsum("iab,bc,jac->ij", R, S, R)  # Gram matrix tr(R_i S R_j^T)
-    diag = np.diag(G)
-    total = G.sum()
-
-    def u(tot, dg, m):
-        return 0.5 * (tot - dg) / (m * (m - 1))
-
-    est = u(total, diag.sum(), K)
-    se = float("nan")
-    if K >= 3:
-        row = G.sum(axis=1)
-        loo = np.array([u(total - 2 * row[i] + G[i, i], diag.sum() - diag[i], K - 1) for i in range(K)])
-        se = float(math.sqrt((K - 1) / K * np.sum((loo - loo.mean()) ** 2)))
-    Rm = R.mean(axis=0)
-    naive = 0.5 * float(np.trace(Rm @ S @ Rm.T))
-    return {"excess": float(est), "se": se, "naive": naive, "K": K}

@@ -17,6 +17,8 @@ id) and a module-level function ``func(spec) -> list of row dicts``. :func:`run_
 
 Rows are tidy: the spec's fields, then the function's columns, then ``run``, ``nrows``,
 ``cpu_s`` and ``wall_s`` (process CPU time and wall time of the run on its worker).
+:func:`read_sweep` is the one reader of such files: the complete runs, values typed by column,
+optionally as a pandas DataFrame.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import csv
 import io
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -100,6 +103,8 @@ def _parse_blocks(path: str, header: Optional[List[str]]):
         return None, {}, [], dropped or bool(text)
     if header is not None and file_header != header:
         raise ValueError(f"out: {path} has columns {file_header}, expected {header} (another sweep's file?)")
+    if "run" not in file_header or "nrows" not in file_header:
+        raise ValueError(f"path: {path} is not a sweep CSV (expected the columns 'run' and 'nrows')")
     i_run, i_n = file_header.index("run"), file_header.index("nrows")
     blocks: Dict[str, List[List[str]]] = {}
     order: List[str] = []
@@ -151,27 +156,52 @@ def clean_sweep_file(path: str, header: Optional[List[str]] = None) -> Dict[str,
     return {"runs": len(order), "rewritten": 1}
 
 
-def read_sweep(path: str) -> List[Dict[str, object]]:
-    """Rows of the complete runs of a sweep CSV as dicts (numbers as float, ``run`` as str)."""
+_INT = re.compile(r"[+-]?\d+")
+
+
+def _column_type(values: List[str]):
+    """The type of one CSV column: ``int`` if every entry is an integer literal, else ``float`` if every
+    entry is a number or empty (empty reads as NaN), else ``str``."""
+    if values and all(_INT.fullmatch(v) for v in values):
+        return int
+    try:
+        for v in values:
+            if v != "":
+                float(v)
+    except ValueError:
+        return str
+    return float
+
+
+def _typed(kind, v: str):
+    if kind is float:
+        return float(v) if v != "" else math.nan
+    return kind(v)
+
+
+def read_sweep(path: str, *, frame: bool = False):
+    """The rows of the complete runs of a sweep CSV, with typed values; the one reader of the book's sweeps.
+
+    A partial or repeated run (a crash in the middle of a write) and a torn last line are left out,
+    as :func:`run_sweep` would drop them. Values are typed by column: ``run`` is always a string; a
+    column of integer literals reads as ``int`` (flags written as 0/1 too); a column of numbers,
+    some of them possibly empty, as ``float`` with ``nan`` for the empty ones; any other column as
+    ``str``. Returns a list of dicts in file order, or with ``frame=True`` a ``pandas.DataFrame``
+    with the file's columns.
+    """
     if not os.path.exists(path):
         raise ValueError(f"path: {path} does not exist")
     file_header, blocks, order, _ = _parse_blocks(path, None)
-    if file_header is None or "run" not in file_header:
-        raise ValueError(f"path: {path} is not a sweep CSV")
-    out = []
-    for r in order:
-        for row in blocks[r]:
-            d = {}
-            for k, v in zip(file_header, row):
-                if k == "run":
-                    d[k] = v
-                    continue
-                try:
-                    d[k] = float(v) if v != "" else math.nan
-                except ValueError:
-                    d[k] = v
-            out.append(d)
-    return out
+    if file_header is None:
+        raise ValueError(f"path: {path} is not a sweep CSV (expected the columns 'run' and 'nrows')")
+    raw = [row for r in order for row in blocks[r]]
+    kinds = [str if k == "run" else _column_type([row[j] for row in raw]) for j, k in enumerate(file_header)]
+    rows = [{k: _typed(t, v) for k, t, v in zip(file_header, kinds, row)} for row in raw]
+    if frame:
+        import pandas as pd
+
+        return pd.DataFrame(rows, columns=file_header)
+    return rows
 
 
 def _write_block(fh, header, rows) -> None:
@@ -182,6 +212,98 @@ def _write_block(fh, header, rows) -> None:
     fh.write(buf.getvalue())
     fh.flush()
     os.fsync(fh.fileno())
+
+
+def _check_reach(sweep, workers, scheduler, client) -> None:
+    if not isinstance(sweep, Sweep):
+        raise ValueError(f"sweep: expected an attnlib.runner.Sweep, got {type(sweep).__name__}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers: expected an integer >= 0, got {workers!r}")
+    if sum(x is not None and x is not False for x in (scheduler, client)) + (workers > 0) > 1:
+        raise ValueError("workers, scheduler, client: give at most one way to reach a cluster")
+
+
+def _done_runs(out: str, header: List[str]) -> set:
+    """Clean ``out`` and return the ids of its complete runs (a new file gets the header)."""
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    if os.path.exists(out) and os.path.getsize(out) > 0:
+        clean_sweep_file(out, header)
+        return set(_parse_blocks(out, header)[1])
+    with open(out, "w", newline="") as fh:
+        csv.writer(fh).writerow(header)
+    return set()
+
+
+class _Emitter:
+    """Writes each finished run's rows (spec fields first) and counts them; the driver's only writer."""
+
+    def __init__(self, fh, sweep: Sweep, total: int, progress: bool, on_result, max_runs):
+        self.fh, self.sweep, self.on_result = fh, sweep, on_result
+        self.max_runs = None if max_runs is None else int(max_runs)
+        self.written, self.cpu = 0, 0.0
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=sweep.name)
+
+    @property
+    def full(self) -> bool:
+        return self.max_runs is not None and self.written >= self.max_runs
+
+    def __call__(self, spec: dict, rows: List[dict]) -> None:
+        fixed = {c: spec.get(c, "") for c in self.sweep.spec_columns}
+        _write_block(self.fh, self.sweep.header, [{**fixed, **r} for r in rows])
+        self.written += 1
+        self.cpu += float(rows[0]["cpu_s"])
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.on_result is not None:
+            self.on_result(spec, rows)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_on_cluster(sweep: Sweep, todo: List[dict], emit: _Emitter, *, workers, scheduler, client) -> None:
+    """Submit ``todo`` to a Dask cluster (a local one of ``workers`` processes, ``scheduler`` or ``client``)
+    and emit the results as they arrive."""
+    from distributed import Client, LocalCluster, as_completed
+
+    cluster = own_client = None
+    try:
+        if client is None:
+            if scheduler is not None:
+                own_client = Client(scheduler)
+            else:
+                cluster = LocalCluster(
+                    n_workers=workers,
+                    threads_per_worker=1,
+                    processes=True,
+                    host="127.0.0.1",
+                    dashboard_address="127.0.0.1:0",
+                    worker_dashboard_address="127.0.0.1:0",
+                )
+                own_client = Client(cluster)
+            client = own_client
+        by_key, futures = {}, []
+        for spec in todo:
+            fut = client.submit(execute_run, sweep.func, spec, key=f"{sweep.name}-{spec['run']}", pure=False)
+            by_key[fut.key] = spec
+            futures.append(fut)
+        for fut in as_completed(futures):
+            if emit.full:
+                break
+            emit(by_key[fut.key], fut.result())
+        for fut in futures:
+            fut.cancel()
+    finally:
+        if own_client is not None:
+            own_client.close()
+        if cluster is not None:
+            cluster.close()
 
 
 def run_sweep(
@@ -202,88 +324,20 @@ def run_sweep(
     worker mid-sweep). Returns ``{"runs": written, "skipped": already present, "wall_s": s,
     "cpu_s": summed CPU time of the new runs}``.
     """
-    if not isinstance(sweep, Sweep):
-        raise ValueError(f"sweep: expected an attnlib.runner.Sweep, got {type(sweep).__name__}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers: expected an integer >= 0, got {workers!r}")
-    if sum(x is not None and x is not False for x in (scheduler, client)) + (workers > 0) > 1:
-        raise ValueError("workers, scheduler, client: give at most one way to reach a cluster")
-    header = sweep.header
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-    if os.path.exists(out) and os.path.getsize(out) > 0:
-        clean_sweep_file(out, header)
-        _, blocks, _, _ = _parse_blocks(out, header)
-        done = set(blocks)
-    else:
-        done = set()
-        with open(out, "w", newline="") as fh:
-            csv.writer(fh).writerow(header)
-    todo = [s for s in sweep.specs if s["run"] not in done]
-    todo.sort(key=lambda s: -float(s.get("cost", 0.0)))
-    if max_runs is not None:
-        max_runs = int(max_runs)
+    _check_reach(sweep, workers, scheduler, client)
+    done = _done_runs(out, sweep.header)
+    todo = sorted((s for s in sweep.specs if s["run"] not in done), key=lambda s: -float(s.get("cost", 0.0)))
     t0 = time.perf_counter()
-    written, cpu = 0, 0.0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc=sweep.name)
-
-    def emit(fh, spec, rows):
-        nonlocal written, cpu
-        _write_block(fh, header, [{**{c: spec.get(c, "") for c in sweep.spec_columns}, **r} for r in rows])
-        written += 1
-        cpu += float(rows[0]["cpu_s"])
-        if bar is not None:
-            bar.update(1)
-        if on_result is not None:
-            on_result(spec, rows)
-
     with open(out, "a", newline="") as fh:
-        if workers == 0 and scheduler is None and client is None:
-            for spec in todo:
-                if max_runs is not None and written >= max_runs:
-                    break
-                emit(fh, spec, execute_run(sweep.func, spec))
-        else:
-            from distributed import Client, LocalCluster, as_completed
-
-            cluster = own_client = None
-            try:
-                if client is None:
-                    if scheduler is not None:
-                        own_client = Client(scheduler)
-                    else:
-                        cluster = LocalCluster(
-                            n_workers=workers,
-                            threads_per_worker=1,
-                            processes=True,
-                            host="127.0.0.1",
-                            dashboard_address="127.0.0.1:0",
-                            worker_dashboard_address="127.0.0.1:0",
-                        )
-                        own_client = Client(cluster)
-                    client = own_client
-                by_key = {}
-                futures = []
+        emit = _Emitter(fh, sweep, len(todo), progress, on_result, max_runs)
+        try:
+            if workers == 0 and scheduler is None and client is None:
                 for spec in todo:
-                    fut = client.submit(execute_run, sweep.func, spec, key=f"{sweep.name}-{spec['run']}", pure=False)
-                    by_key[fut.key] = spec
-                    futures.append(fut)
-                ac = as_completed(futures)
-                for fut in ac:
-                    if max_runs is not None and written >= max_runs:
+                    if emit.full:
                         break
-                    emit(fh, by_key[fut.key], fut.result())
-                for fut in futures:
-                    fut.cancel()
-            finally:
-                if own_client is not None:
-                    own_client.close()
-                if cluster is not None:
-                    cluster.close()
-    if bar is not None:
-        bar.close()
-    return {"runs": written, "skipped": len(done), "wall_s": time.perf_counter() - t0, "cpu_s": cpu}
+                    emit(spec, execute_run(sweep.func, spec))
+            else:
+                _run_on_cluster(sweep, todo, emit, workers=workers, scheduler=scheduler, client=client)
+        finally:
+            emit.close()
+    return {"runs": emit.written, "skipped": len(done), "wall_s": time.perf_counter() - t0, "cpu_s": emit.cpu}

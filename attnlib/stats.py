@@ -1,4 +1,10 @@
-r"""Exponents with confidence intervals whose coverage is checked by simulation.
+r"""The book's analysis: every fit and estimator, with confidence intervals whose coverage is checked by simulation.
+
+Plain fits on log scales: :func:`fit_power_law` (least squares through ``(log x, log y)``, optional
+bootstrap interval), :func:`fit_geometric_rate` (the rate ``mu`` of ``c mu^m``) and
+:func:`fit_error_exponent` (a power law through per-``n`` means with a bootstrap over the
+sequences). :func:`excess_ustat`: the U-statistic over independent chains, an unbiased estimate of
+``1/2 ||E[R] Sigma^{1/2}||_F^2`` with its jackknife standard error (regime (ii)).
 
 The scaling experiments estimate, at each ``n`` of a grid, a positive quantity (the mean or the
 median over independent seeds of an excess; or a U-statistic over independent chains) with a
@@ -24,11 +30,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from ._validate import check_positive_int
+from .task import as_covariance
+
 __all__ = [
+    "PowerLawFit",
+    "fit_power_law",
+    "fit_geometric_rate",
+    "fit_error_exponent",
+    "excess_ustat",
     "ExponentFit",
     "summarize",
     "wls_exponent",
@@ -44,6 +58,152 @@ __all__ = [
     "chain_design",
     "paired_ratio_design",
 ]
+
+
+@dataclass
+class PowerLawFit:
+    """``y ~ C x^slope``: ``slope``, ``log_c`` (natural log of ``C``), the standard error of the
+    slope and, with ``ci``, a confidence interval for it."""
+
+    slope: float
+    log_c: float
+    stderr: float
+    ci: Optional[tuple] = None
+
+    def __call__(self, x):
+        return np.exp(self.log_c) * np.asarray(x, dtype=float) ** self.slope
+
+
+def _clean(x, y, name_x="x", name_y="y"):
+    x = np.asarray(x, dtype=float).ravel()
+    y = np.asarray(y, dtype=float).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"{name_y}: expected the same number of values as {name_x}, got {y.size} and {x.size}")
+    if x.size < 2:
+        raise ValueError(f"{name_x}: need at least two points to fit, got {x.size}")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError("x, y: contain NaN or infinite values")
+    if np.any(x <= 0) or np.any(y <= 0):
+        raise ValueError("x, y: a fit on log scales needs positive values")
+    return x, y
+
+
+def fit_power_law(
+    x: Sequence[float], y: Sequence[float], *, n_boot: int = 0, seed: int = 0, level: float = 0.95
+) -> PowerLawFit:
+    """Least-squares line through ``(log x, log y)``.
+
+    ``stderr`` is the ordinary least-squares standard error of the slope. With
+    ``n_boot > 0`` the points are resampled with replacement ``n_boot`` times
+    (seeded) and ``ci`` is the percentile interval of the slope at ``level``.
+    """
+    x, y = _clean(x, y)
+    lx, ly = np.log(x), np.log(y)
+    slope, icpt = np.polyfit(lx, ly, 1)
+    resid = ly - (slope * lx + icpt)
+    dof = max(len(lx) - 2, 1)
+    sxx = np.sum((lx - lx.mean()) ** 2)
+    stderr = float(np.sqrt(np.sum(resid**2) / dof / sxx)) if sxx > 0 else float("inf")
+    ci = None
+    if n_boot > 0:
+        rng = np.random.default_rng(seed)
+        slopes = []
+        for _ in range(n_boot):
+            idx = rng.integers(0, len(lx), len(lx))
+            if np.ptp(lx[idx]) == 0:
+                continue
+            slopes.append(np.polyfit(lx[idx], ly[idx], 1)[0])
+        lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
+        ci = (float(lo), float(hi))
+    return PowerLawFit(float(slope), float(icpt), stderr, ci)
+
+
+def fit_geometric_rate(steps: Sequence[float], values: Sequence[float]) -> float:
+    """Rate ``mu`` of ``values ~ c mu^steps``: ``exp`` of the slope of ``log values`` against ``steps``."""
+    s = np.asarray(steps, dtype=float).ravel()
+    v = np.asarray(values, dtype=float).ravel()
+    if s.shape != v.shape or s.size < 2:
+        raise ValueError("steps, values: expected two sequences of the same length >= 2")
+    if np.any(v <= 0) or not np.all(np.isfinite(v)):
+        raise ValueError("values: a geometric fit needs positive finite values")
+    return float(np.exp(np.polyfit(s, np.log(v), 1)[0]))
+
+
+def _check_lengths(ns) -> list:
+    try:
+        vals = list(ns)
+    except TypeError as exc:
+        raise ValueError(f"ns: expected a sequence of integers >= 1, got {ns!r}") from exc
+    if not vals:
+        raise ValueError("ns: expected at least one sequence length")
+    return [check_positive_int(v, "ns") for v in vals]
+
+
+def fit_error_exponent(
+    ns: Sequence[int], errors, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> PowerLawFit:
+    r"""Power law ``mean error ~ c n^slope`` through the per-``n`` means, with a bootstrap over sequences.
+
+    ``errors`` has shape ``(len(ns), n_seeds)``: one value per independent
+    sequence (as returned by :func:`attnlib.finite_n.query_averaged_error`). The slope is the
+    least-squares slope of ``log(mean over sequences)`` against ``log n``;
+    the interval resamples the sequences at each ``n`` independently
+    (``n_boot`` times, seeded) and refits: a percentile interval at ``level``.
+    """
+    ns = _check_lengths(ns)
+    E = np.asarray(errors.cpu().numpy() if hasattr(errors, "cpu") else errors, dtype=float)
+    if E.ndim != 2 or E.shape[0] != len(ns):
+        raise ValueError(f"errors: expected shape ({len(ns)}, n_seeds), got {E.shape}")
+    if E.shape[1] < 2:
+        raise ValueError(f"errors: need at least two sequences per n for the bootstrap, got {E.shape[1]}")
+    if not np.all(np.isfinite(E)) or np.any(E <= 0):
+        raise ValueError("errors: expected finite positive values")
+    n_boot = check_positive_int(n_boot, "n_boot")
+    level = _check_level(level)
+    fit = fit_power_law(ns, E.mean(1))
+    lx = np.log(np.asarray(ns, dtype=float))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, E.shape[1], size=(n_boot,) + E.shape)  # independent resampling at each n
+    means = np.take_along_axis(np.broadcast_to(E, idx.shape), idx, axis=2).mean(2)  # (n_boot, len(ns))
+    slopes = np.polyfit(lx, np.log(means).T, 1)[0]
+    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
+    fit.ci = (float(lo), float(hi))
+    return fit
+
+
+def excess_ustat(Rs: Sequence[np.ndarray], Sigma) -> dict:
+    r"""Estimate ``1/2 ||E[R] Sigma^{1/2}||_F^2`` from independent residuals ``R_1..R_K`` (K >= 2).
+
+    ``U = 1/(K(K-1)) sum_{i != j} 1/2 tr(R_i Sigma R_j^T)`` is unbiased whatever the (zero-mean)
+    noise of each ``R_i`` around ``E[R]`` (independent chains: ``E tr(R_i Sigma R_j^T) =
+    tr(E R Sigma E R^T)`` for ``i != j``), unlike ``1/2 ||mean_i R_i Sigma^{1/2}||^2``, which is
+    biased upwards by ``tr(Cov)/(2K)``. Returns ``{"excess", "se", "naive", "K"}``; ``se`` is the
+    jackknife standard error (leave one chain out). ``excess`` may be negative when the noise
+    dominates.
+    """
+    R = np.asarray(Rs, dtype=float)
+    if R.ndim != 3 or R.shape[0] < 2:
+        raise ValueError(f"Rs: expected at least two residual matrices of equal shape, got shape {R.shape}")
+    S = np.asarray(as_covariance(Sigma).cpu().numpy() if not isinstance(Sigma, np.ndarray) else Sigma, dtype=float)
+    if S.shape != (R.shape[2], R.shape[2]):
+        raise ValueError(f"Sigma: expected shape {(R.shape[2], R.shape[2])}, got {S.shape}")
+    K = R.shape[0]
+    G = np.einsum("iab,bc,jac->ij", R, S, R)  # Gram matrix tr(R_i S R_j^T)
+    diag = np.diag(G)
+    total = G.sum()
+
+    def u(tot, dg, m):
+        return 0.5 * (tot - dg) / (m * (m - 1))
+
+    est = u(total, diag.sum(), K)
+    se = float("nan")
+    if K >= 3:
+        row = G.sum(axis=1)
+        loo = np.array([u(total - 2 * row[i] + G[i, i], diag.sum() - diag[i], K - 1) for i in range(K)])
+        se = float(math.sqrt((K - 1) / K * np.sum((loo - loo.mean()) ** 2)))
+    Rm = R.mean(axis=0)
+    naive = 0.5 * float(np.trace(Rm @ S @ Rm.T))
+    return {"excess": float(est), "se": se, "naive": naive, "K": K}
 
 
 def t_quantile(p: float, dof: float) -> float:
@@ -208,7 +368,7 @@ def fit_exponent(
 
 def ustat_exponent(ns, estimates: Sequence[dict], *, level: float = 0.95) -> ExponentFit:
     """Exponent from per-``n`` U-statistics over independent chains (dicts of
-    :func:`attnlib.prompts.excess_ustat`: ``excess``, ``se``, ``K``).
+    :func:`excess_ustat`: ``excess``, ``se``, ``K``).
 
     Weighted log-log fit with the jackknife relative errors pooled over ``n``
     (``pool_se=True``) and Student's t with ``m (K - 1)`` degrees of freedom for the pooled
@@ -380,11 +540,9 @@ def chain_design(
     sweep takes the mean residual ``R_0`` at the largest ``n``, sets the true residual
     ``R_n = R_0 (n_max/n)^{-truth/2}`` (so the excess ``1/2 ||R_n Sigma^{1/2}||^2`` scales as
     ``n^truth``), draws ``K`` chains ``R_n + q_n ||R_n|| N(0, I)`` and returns
-    :func:`ustat_exponent` of their U-statistics (``attnlib.prompts.excess_ustat``; a negative
+    :func:`ustat_exponent` of their U-statistics (:func:`excess_ustat`; a negative
     U-statistic is replaced by its absolute value, as a fit on logs needs positive values).
     """
-    from .prompts import excess_ustat
-
     if not isinstance(residuals_by_n, dict) or not residuals_by_n:
         raise ValueError("residuals_by_n: expected a dict {n: array of shape (K, k, d)}")
     R = {float(n): np.asarray(v, dtype=float) for n, v in sorted(residuals_by_n.items())}

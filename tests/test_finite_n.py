@@ -8,6 +8,7 @@ import torch
 
 import attnlib as al
 from attnlib import finite_n as fn
+from attnlib import stats as st
 
 f64 = torch.float64
 
@@ -247,7 +248,7 @@ def test_fit_error_exponent_recovers_the_exponent_and_covers_it():
     for _ in range(reps):
         # per-sequence values with a skewed spread (chi-square with 3 degrees of freedom)
         E = 5.0 * ns[:, None] ** -0.7 * rng.chisquare(3, size=(len(ns), 24)) / 3
-        fit = fn.fit_error_exponent(ns, E, n_boot=300, seed=int(rng.integers(1 << 30)))
+        fit = st.fit_error_exponent(ns, E, n_boot=300, seed=int(rng.integers(1 << 30)))
         hits += fit.ci[0] < -0.7 < fit.ci[1]
         slopes.append(fit.slope)
     assert abs(np.mean(slopes) + 0.7) < 0.01
@@ -257,26 +258,10 @@ def test_fit_error_exponent_recovers_the_exponent_and_covers_it():
 
 def test_fit_error_exponent_validates():
     with pytest.raises(ValueError, match="errors"):
-        fn.fit_error_exponent([1, 2], np.ones((3, 4)))
+        st.fit_error_exponent([1, 2], np.ones((3, 4)))
     with pytest.raises(ValueError, match="errors"):
-        fn.fit_error_exponent([1, 2], np.ones((2, 1)))
+        st.fit_error_exponent([1, 2], np.ones((2, 1)))
     with pytest.raises(ValueError, match="errors"):
-        fn.fit_error_exponent([1, 2], -np.ones((2, 4)))
+        st.fit_error_exponent([1, 2], -np.ones((2, 4)))
     with pytest.raises(ValueError, match="level"):
-        fn.fit_error_exponent([1, 2], np.ones((2, 4)), level=1.5)
-
-
-def test_query_averaged_sweep_resumes(t2, tmp_path):
-    task, A, B = t2
-    out = str(tmp_path / "sweep.csv")
-    rows = fn.query_averaged_sweep(A, B, task, [0.3, 1.0], [16, 32], n_queries=4, n_seeds=3, seed=0, out=out)
-    assert len(rows) == 2 * 2 * 3
-    assert {r["scale"] for r in rows} == {0.3, 1.0}
-    again = fn.query_averaged_sweep(A, B, task, [0.3, 1.0], [16, 32], n_queries=4, n_seeds=3, seed=0, out=out)
-    assert again == rows
-    with open(out) as fh:
-        assert len(fh.readlines()) == 1 + 12
-    # the rows are query_averaged_error at the orbit point
-    E = fn.query_averaged_error(*fn.orbit_to_scale(A, B, task, 1.0), task, [32], n_queries=4, n_seeds=3, seed=0)
-    got = [r["error"] for r in rows if r["scale"] == 1.0 and r["n"] == 32]
-    assert np.allclose(got, E[0].numpy(), rtol=1e-12)
+        st.fit_error_exponent([1, 2], np.ones((2, 4)), level=1.5)

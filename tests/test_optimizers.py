@@ -14,7 +14,6 @@ from attnlib.optim import optimizers as opt
 F64 = torch.float64
 
 
-
 def _train_with_step(task, **kw):
     """A population run and the step rule it used (its state is what the optimizer learned)."""
     h = al.train_population(task, **kw)

@@ -6,6 +6,7 @@ import torch
 
 import attnlib as al
 from attnlib import prompts as pr
+from attnlib import stats as st
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_excess_ustat_is_unbiased_where_the_naive_estimate_is_not():
     us, naive, ses = [], [], []
     for _ in range(2000):
         Rs = ER + 0.05 * rng.standard_normal((6, 2, 3))
-        e = pr.excess_ustat(Rs, torch.tensor(S))
+        e = st.excess_ustat(Rs, torch.tensor(S))
         us.append(e["excess"])
         naive.append(e["naive"])
         ses.append(e["se"])
@@ -110,9 +111,9 @@ def test_excess_ustat_is_unbiased_where_the_naive_estimate_is_not():
     assert np.mean(naive) == pytest.approx(truth + noise_bias, rel=0.05)
     assert np.median(ses) == pytest.approx(us.std(), rel=0.25)  # the jackknife error is about right
     with pytest.raises(ValueError, match="Rs"):
-        pr.excess_ustat([ER], S)
+        st.excess_ustat([ER], S)
     with pytest.raises(ValueError, match="Sigma"):
-        pr.excess_ustat([ER, ER], np.eye(2))
+        st.excess_ustat([ER, ER], np.eye(2))
 
 
 def test_chain_is_reproducible_and_stays_near_the_minimum_set(task):
@@ -153,7 +154,7 @@ def test_float32_attention_leaves_the_estimator_unchanged(task):
     R = {}
     for dtype in (torch.float64, torch.float32):
         R[dtype] = [al.run_chain(task, 32, seed=100 + c, attention_dtype=dtype, **kw).R for c in range(6)]
-    e64, e32 = pr.excess_ustat(R[torch.float64], task), pr.excess_ustat(R[torch.float32], task)
+    e64, e32 = st.excess_ustat(R[torch.float64], task), st.excess_ustat(R[torch.float32], task)
     assert e64["se"] > 0 and abs(e32["excess"] - e64["excess"]) < 1e-3 * e64["se"]
     assert e32["se"] == pytest.approx(e64["se"], rel=1e-3)
     v64 = np.var(np.array(R[torch.float64]), axis=0, ddof=1).sum()

@@ -1,5 +1,6 @@
 """The sweep runner: only the driver writes, resume after a crash, and the Dask path with a worker killed mid-sweep."""
 
+import math
 import os
 import signal
 import sys
@@ -131,3 +132,26 @@ def test_driver_starts_its_own_local_cluster_on_loopback(tmp_path):
     assert info["runs"] == 4
     _check_complete(out, 4)
     assert listening == {"127.0.0.1"}
+
+
+def test_read_sweep_types_columns_and_gives_a_frame(tmp_path):
+    out = tmp_path / "typed.csv"
+    out.write_text(
+        "label,kappa,n,flag,x,run,nrows,cpu_s,wall_s\n"
+        "cap,0.25,16,1,1e-3,a,2,0.1,0.1\n"
+        "balance,,32,0,2,a,2,0.1,0.1\n"
+        "cap,0.5,16,1,3,b,2,0.1,0.1\n"  # b is partial: left out
+    )
+    rows = rn.read_sweep(str(out))
+    assert len(rows) == 2 and [r["run"] for r in rows] == ["a", "a"]
+    assert rows[0]["label"] == "cap" and rows[0]["kappa"] == 0.25 and math.isnan(rows[1]["kappa"])
+    assert type(rows[0]["n"]) is int and type(rows[1]["flag"]) is int and type(rows[1]["x"]) is float
+    assert type(rows[0]["nrows"]) is int and rows[0]["run"] == "a"
+    df = rn.read_sweep(str(out), frame=True)
+    assert list(df.columns) == "label,kappa,n,flag,x,run,nrows,cpu_s,wall_s".split(",")
+    assert str(df["n"].dtype) == "int64" and df["kappa"].isna().tolist() == [False, True]
+    with pytest.raises(ValueError, match="sweep CSV"):
+        (tmp_path / "plain.csv").write_text("a,b\n1,2\n")
+        rn.read_sweep(str(tmp_path / "plain.csv"))
+    with pytest.raises(ValueError, match="does not exist"):
+        rn.read_sweep(str(tmp_path / "missing.csv"))

@@ -8,7 +8,7 @@ import pytest
 
 from attnlib import experiments as ex
 from attnlib import stats as st
-from attnlib.prompts import excess_ustat
+from attnlib.stats import excess_ustat
 
 DATA = Path(__file__).resolve().parents[1] / "book" / "data"
 
@@ -48,7 +48,7 @@ def test_wls_recovers_a_power_law_and_inflates_for_curvature():
 
 
 def _trained_values():
-    rows = ex.load(str(DATA / "regime1_trained.csv"))
+    rows = ex.read_sweep(str(DATA / "regime1_trained.csv"))
     return ex.trained_values(rows, "balance", 0.1)
 
 
@@ -60,7 +60,7 @@ def test_regime_i_intervals_cover_at_the_stated_rate(design, stat):
     if not path.exists():
         pytest.skip(f"{path.name} not generated yet")
     if design == "spectral":
-        values = ex.values_by_n(ex.load(str(path)), "excess", noise_std=0.0)
+        values = ex.values_by_n(ex.read_sweep(str(path)), "excess", noise_std=0.0)
     else:
         values = _trained_values()
     simulate = st.gamma_design(values, stat=stat, truth=-1.0)
@@ -77,7 +77,7 @@ def test_regime_ii_intervals_cover_at_the_stated_rate(label, n_min):
     path = DATA / "regime2_prompts.csv"
     if not path.exists():
         pytest.skip("regime2_prompts.csv not generated yet")
-    residuals = ex.prompt_residuals(ex.load(str(path)), label)
+    residuals = ex.prompt_residuals(ex.read_sweep(str(path)), label)
     simulate = st.chain_design(residuals, ex.make_task().Sigma, truth=-2.0, n_min=n_min)
     assert simulate.design["chains"] >= 6
     res = st.coverage(simulate, -2.0, reps=400, seed=2)

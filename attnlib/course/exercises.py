@@ -47,9 +47,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
-from ..fits import fit_geometric_rate, fit_power_law
 from ..geometry import p_norm, regularizer, renormalize, to_factor
 from ..layer import attention_reference, empirical_loss
+from ..stats import fit_geometric_rate, fit_power_law
 from ..task import Task
 from . import hidden
 from .hidden import ExerciseError
@@ -385,7 +385,7 @@ EXERCISES: Dict[str, Exercise] = {
             "slope, not its intercept",
             reference=lambda x, y: fit_power_law(x, y).slope,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
+            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
         ),
         Exercise(
             "6.2",
@@ -394,7 +394,7 @@ EXERCISES: Dict[str, Exercise] = {
             "take logarithms of the values: what is then linear in the steps, and how is its slope related to mu?",
             reference=fit_geometric_rate,
             rtol=1e-7,
-            forbidden=("attnlib.fits.*", "attnlib.experiments.*", "attnlib.finite_n.*", "attnlib.stats.local_slopes"),
+            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
         ),
     )
 }
