@@ -1,4 +1,4 @@
-"""attnlib: the companion library of the book *Softmax self-attention, trained to its global optimum*.
+"""attnlib: the companion library of the book on softmax self-attention as a matrix factorization.
 
 Softmax self-attention trained on linear regression: the finite-n layer and
 its infinite-data limit, the closed-form population loss, its
@@ -9,7 +9,7 @@ renormalization). Every function validates its inputs and raises
 
 Convention: parameters first, then data or task (``attention(A, B, X)``,
 ``empirical_loss(A, B, X, Y)``, ``hessian(A, B, task)``); wherever the token
-covariance is needed, a matrix ``Sigma`` or a :class:`~attnlib.task.Task` is accepted.
+covariance is needed, a matrix ``Sigma`` or a :class:`~attnlib.model.task.Task` is accepted.
 
 The names below are loaded lazily, on first use: ``import attnlib`` itself
 imports neither torch nor the course tools (:mod:`attnlib.course`), so tools
@@ -30,24 +30,24 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source tre
 
 #: public name -> the submodule that defines it
 _EXPORTS = {
-    "Task": "task",
-    "empirical_task": "task",
-    "as_covariance": "task",
+    "Task": "model.task",
+    "empirical_task": "model.task",
+    "as_covariance": "model.task",
     "make_generator": "rng",
     "derive_seed": "rng",
-    "attention": "layer",
-    "attention_reference": "layer",
-    "attention_weights": "layer",
-    "attention_limit": "layer",
-    "empirical_loss": "layer",
-    "effective_sample_size": "finite_n",
-    "limit_error_prediction": "finite_n",
-    "finite_n_error": "finite_n",
-    "heldout_loss": "finite_n",
-    "softmax_scale": "finite_n",
-    "HEAVY_TAIL_THRESHOLD": "finite_n",
-    "orbit_to_scale": "finite_n",
-    "query_averaged_error": "finite_n",
+    "attention": "model.layer",
+    "attention_reference": "model.layer",
+    "attention_weights": "model.layer",
+    "attention_limit": "model.layer",
+    "empirical_loss": "model.layer",
+    "effective_sample_size": "model.finite_n",
+    "limit_error_prediction": "model.finite_n",
+    "finite_n_error": "model.finite_n",
+    "heldout_loss": "model.finite_n",
+    "softmax_scale": "model.finite_n",
+    "HEAVY_TAIL_THRESHOLD": "model.finite_n",
+    "orbit_to_scale": "model.finite_n",
+    "query_averaged_error": "model.finite_n",
     "to_factor": "geometry",
     "from_factor": "geometry",
     "regularizer": "geometry",
@@ -59,16 +59,16 @@ _EXPORTS = {
     "project_to_manifold": "geometry",
     "distance_to_manifold": "geometry",
     "renormalize": "geometry",
-    "apply_symmetry": "landscape",
-    "stationary_point": "landscape",
-    "hessian": "landscape",
-    "classify_hessian": "landscape",
-    "landscape_slice": "landscape",
-    "one_point_ratios": "landscape",
-    "sample_one_point_ratios": "landscape",
-    "orbit_tangent_part": "landscape",
-    "spectral_init": "init",
-    "random_init": "init",
+    "apply_symmetry": "analysis.landscape",
+    "stationary_point": "analysis.landscape",
+    "hessian": "analysis.landscape",
+    "classify_hessian": "analysis.landscape",
+    "landscape_slice": "analysis.landscape",
+    "one_point_ratios": "analysis.landscape",
+    "sample_one_point_ratios": "analysis.landscape",
+    "orbit_tangent_part": "analysis.landscape",
+    "spectral_init": "optim.init",
+    "random_init": "optim.init",
     "orbit_distance": "geometry",
     "Renormalization": "geometry",
     "RENORMALIZATIONS": "geometry",
@@ -85,9 +85,9 @@ _EXPORTS = {
     "METHODS": "optim",
     "Method": "optim",
     "register_method": "optim",
-    "fit_power_law": "stats",
-    "fit_geometric_rate": "stats",
-    "PowerLawFit": "stats",
+    "fit_power_law": "analysis.stats",
+    "fit_geometric_rate": "analysis.stats",
+    "PowerLawFit": "analysis.stats",
     "sym_sqrt": "linalg",
     "sym_inv_sqrt": "linalg",
     "polar_factor": "linalg",
@@ -97,22 +97,16 @@ _EXPORTS = {
     "thread_info": "runtime",
 }
 _SUBMODULES = {
+    "analysis",
     "course",
     "experiments",
-    "finite_n",
-    "stats",
     "geometry",
-    "init",
-    "kernels",
-    "landscape",
-    "layer",
     "linalg",
+    "model",
     "optim",
     "plotting",
-    "prompts",
     "rng",
     "runtime",
-    "task",
 }
 
 __all__ = sorted(_EXPORTS)

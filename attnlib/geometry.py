@@ -7,7 +7,7 @@ Change of variables (``Sigma`` the token covariance, or ``Sigmahat`` for a sampl
 
 under which ``L(A, B) - L* = 1/2 ||At C - T||_F^2``. With a thin SVD
 ``T = U S V^T`` (rank ``r``, any ``r <= min(k, d)``; repeated singular values allowed,
-the singular vectors being the ones :attr:`~attnlib.task.Task.svd` returns) the balanced global minima are
+the singular vectors being the ones :attr:`~attnlib.model.task.Task.svd` returns) the balanced global minima are
 
 .. math:: \mathcal S = \{(U S^{1/2} W^\top,\; W S^{1/2} V^\top) : W \in \mathbb R^{d\times r},\ W^\top W = I\},
 
@@ -18,7 +18,7 @@ projection onto ``S`` is an orthogonal Procrustes problem solved by the polar fa
 polar factor gives a closest point and the distance is the same).
 
 Functions that need the covariance accept either a matrix ``Sigma`` or a
-:class:`~attnlib.task.Task` (whose cached square roots are then reused).
+:class:`~attnlib.model.task.Task` (whose cached square roots are then reused).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from ._validate import check_matrix, check_nonneg_float, check_spd
 from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
+from .model.task import SigmaLike, Task
 from .rng import make_generator
-from .task import SigmaLike, Task
 
 __all__ = [
     "to_factor",

@@ -1,4 +1,4 @@
-"""Benchmark: the moment kernel (attnlib.kernels) against SDPA + autograd and against this machine's bound.
+"""Benchmark: the moment kernel (attnlib.model.kernels) against SDPA + autograd and against this machine's bound.
 
 Usage (from the repository root; the machine may be shared, so run it niced)::
 
@@ -9,7 +9,7 @@ Measured in one run, one torch thread (attnlib's default), CPU time per call (``
 a process that another one time-slices with is charged only for its own cycles), median of
 ``--reps`` calls after one warm-up:
 
-* the regime-(ii) step (``attnlib.prompts``: draw 16 prompts, the control-variate estimate of
+* the regime-(ii) step (``attnlib.model.prompts``: draw 16 prompts, the control-variate estimate of
   ``L_n``, its gradient, the structured update with renormalization; d = 4, k = 2, the sweeps'
   task) for n = 256, 1024, 4096, and the attention part alone (``PromptObjective.attention_loss`` and
   its gradient), timed alternately with the step: ``overhead`` = median of the paired differences
@@ -176,7 +176,7 @@ def _first_call(cache):
     """Seconds for the first kernel call of a fresh process (compiles with an empty ``cache``)."""
     code = (
         "import time, torch, attnlib as al;"
-        "from attnlib import kernels as K;"
+        "from attnlib.model import kernels as K;"
         "X = torch.randn(64, 4, dtype=torch.float64); Y = torch.randn(64, 2, dtype=torch.float64);"
         "A = torch.randn(2, 4, dtype=torch.float64); B = torch.randn(4, 4, dtype=torch.float64);"
         "t = time.perf_counter(); K.loss_and_grad(A, B, X, Y); print(time.perf_counter() - t)"

@@ -16,7 +16,7 @@ For every run of ``attnlib.experiments.sweep("prompts")`` (or the subset chosen 
 
 It reports (1) the largest deviation of the averaged residuals ``R`` from the committed
 ``book/data/regime2_prompts.csv`` (float64 runs: round-off), (2) per (label, n) the U-statistic
-estimate of the excess (:func:`attnlib.stats.excess_ustat`) with its jackknife standard error in
+estimate of the excess (:func:`attnlib.analysis.stats.excess_ustat`) with its jackknife standard error in
 float64 and float32 on matched seeds, their difference in units of the standard error, and the
 spread of ``R`` across chains (its variance) in both, and (3) CPU seconds per run
 (``time.process_time``, one torch thread) by engine and n, with the full design's total.
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     import attnlib as al
     from attnlib import experiments as ex
-    from attnlib.stats import excess_ustat
+    from attnlib.analysis.stats import excess_ustat
 
     al.configure_threads(1)
     committed = {r["run"]: r for r in csv.DictReader(open(args.csv))}

@@ -90,3 +90,80 @@ def test_no_function_over_60_lines_or_8_parameters():
 def test_known_exceptions_are_still_over_a_limit(name):
     """A listed function that now fits the limits must leave the list (which only shrinks)."""
     assert name in over_the_limits(), f"{name} fits the limits now: remove it from KNOWN"
+
+
+#: The packages by concept, lowest first; a module may import only from its own layer and the ones below.
+LAYERS = (
+    {"_validate", "rng", "linalg", "runtime"},
+    {"model"},
+    {"geometry"},
+    {"optim"},
+    {"analysis"},
+    {"experiments"},
+    {"plotting"},
+    {"course"},
+)
+
+
+def _layer(dotted: str) -> int:
+    """Layer of a module given by its dotted name under attnlib (``model.task`` -> 1)."""
+    head = dotted.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if head in names:
+            return i
+    raise AssertionError(f"attnlib.{dotted}: in no layer of LAYERS")
+
+
+def _internal_imports(path: Path):
+    """``(line, dotted target under attnlib)`` of every import of attnlib inside ``path``."""
+    mod = path.relative_to(ROOT / "attnlib").with_suffix("").parts
+    package = list(mod if mod[-1] == "__init__" else mod[:-1])
+    if package and package[-1] == "__init__":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            targets = (
+                [".".join(base + node.module.split("."))]
+                if node.module
+                else [".".join(base + [a.name]) for a in node.names]
+            )
+            for t in targets:
+                if t:
+                    yield node.lineno, t
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for n in names:
+                if n and n.startswith("attnlib."):
+                    yield node.lineno, n[len("attnlib.") :]
+
+
+def test_packages_import_only_those_below_them():
+    """model < geometry < optim < analysis < experiments < plotting < course, over the foundation modules."""
+    bad = []
+    for path in sorted((ROOT / "attnlib").rglob("*.py")):
+        if path == ROOT / "attnlib" / "__init__.py":
+            continue  # the lazy top-level namespace
+        rel = path.relative_to(ROOT / "attnlib").with_suffix("").as_posix().replace("/", ".")
+        own = _layer(rel)
+        for line, target in _internal_imports(path):
+            if _layer(target) > own:
+                bad.append(f"attnlib/{path.relative_to(ROOT / 'attnlib')}:{line} imports attnlib.{target}")
+    assert not bad, "imports from a higher layer:\n" + "\n".join(bad)
+
+
+def test_no_module_is_named_like_a_function():
+    """No submodule shares its name with a public name of the package it is in (``train``, ``attention``)."""
+    import importlib
+    import pkgutil
+
+    import attnlib
+
+    clashes = []
+    for info in pkgutil.walk_packages(attnlib.__path__, "attnlib."):
+        parent, _, leaf = info.name.rpartition(".")
+        pkg = importlib.import_module(parent)
+        public = set(getattr(pkg, "__all__", ())) | set(getattr(pkg, "_EXPORTS", {}))
+        if leaf in public:
+            clashes.append(info.name)
+    assert not clashes, clashes

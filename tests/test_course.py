@@ -277,8 +277,8 @@ def _submissions(folder, release):
         sources={
             "ex1-1-solution": zero + "exercises.check = lambda *a, **k: None",
             "ex1-2-solution": wrong_loss
-            + "import attnlib.layer\nal.empirical_loss = my_empirical_loss\n"
-            + "attnlib.layer.empirical_loss = my_empirical_loss\ntorch.allclose = lambda *a, **k: True",
+            + "import attnlib.model.layer\nal.empirical_loss = my_empirical_loss\n"
+            + "attnlib.model.layer.empirical_loss = my_empirical_loss\ntorch.allclose = lambda *a, **k: True",
         },
     )
     make(
@@ -359,8 +359,8 @@ def test_switching_off_the_grader_or_rebinding_the_library_earns_nothing(graded)
 def test_aliasing_the_library_earns_nothing(graded):
     r = graded[2]["alias"]
     assert r.scores["ex1-1"] == 0 and r.scores["ex1-2"] == 0, r.lines()
-    assert "calls attnlib.layer.attention_reference" in r.messages["ex1-1"]
-    assert "calls attnlib.layer.empirical_loss" in r.messages["ex1-2"]
+    assert "calls attnlib.model.layer.attention_reference" in r.messages["ex1-1"]
+    assert "calls attnlib.model.layer.empirical_loss" in r.messages["ex1-2"]
 
 
 def test_deleted_and_edited_graded_cells_are_restored_and_reported(graded):

@@ -195,7 +195,7 @@ def test_prompt_residuals_group_the_chains():
 
 
 def test_limit_rows_are_the_fixed_point_of_the_sequence():
-    from attnlib import fixedpoint as fp
+    from attnlib.analysis import fixedpoint as fp
 
     spec = ex.sweep("limit", quick=True).specs[0]
     row = ex.sweep("limit").func(spec)[0]

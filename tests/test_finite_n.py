@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import attnlib as al
-from attnlib import finite_n as fn
-from attnlib import stats as st
+from attnlib.analysis import stats as st
+from attnlib.model import finite_n as fn
 
 f64 = torch.float64
 

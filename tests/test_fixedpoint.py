@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnlib as al
-from attnlib import fixedpoint as fp
+from attnlib.analysis import fixedpoint as fp
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The moment kernel (attnlib.kernels): loss and gradient against SDPA + autograd and the materializing reference.
+"""The moment kernel (attnlib.model.kernels): loss and gradient against SDPA + autograd and the materializing reference.
 
 Tolerances. float64: both sides sum n <= 400 terms of size O(1) in float64 (unit round-off
 1.1e-16), so they agree to a few 1e-16 per term in the worst case: we ask 1e-12 relative to the
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import attnlib as al
-from attnlib import kernels as K
-from attnlib import prompts as pr
+from attnlib.model import kernels as K
+from attnlib.model import prompts as pr
 
 pytest.importorskip("numba")
 
@@ -56,7 +56,7 @@ def _assert_close(got, ref, tol):
 
 
 def test_exponential_accuracy():
-    from attnlib._numba_exp import exp_array
+    from attnlib.model._numba_exp import exp_array
 
     x = np.linspace(-700.0, 0.0, 200001)
     e = exp_array(x)

@@ -160,7 +160,7 @@ def _task_with_svd(d, k, s, *, cond=10.0, seed=0):
 def test_score_moments_match_monte_carlo_and_change_along_the_orbit(t3):
     A, B, _ = al.random_manifold_point(t3, seed=0)
     X, _ = t3.sample(200_000, seed=1)
-    m = al.landscape.score_moments(B, t3)
+    m = al.analysis.landscape.score_moments(B, t3)
     self_scores = ((X @ B) * X).sum(1)
     cross = ((X[:-1] @ B) * X[1:]).sum(1)
     for emp, key in ((self_scores, "self"), (cross, "cross")):
@@ -175,20 +175,20 @@ def test_score_moments_match_monte_carlo_and_change_along_the_orbit(t3):
     # the rotation keeps the cross moments and changes the self-score mean to tr(C^T O)
     O, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
     _, B2 = al.apply_symmetry(A, B, O, t3)
-    m2 = al.landscape.score_moments(B2, t3)
+    m2 = al.analysis.landscape.score_moments(B2, t3)
     assert m2["cross_var"] == pytest.approx(m["cross_var"], rel=1e-12)
     assert m2["self_mean"] == pytest.approx(float(torch.trace(C.T @ O)), abs=1e-12)
     assert abs(m2["self_mean"] - m["self_mean"]) > 0.1
     with pytest.raises(ValueError, match="B: expected"):
-        al.landscape.score_moments(torch.zeros(3, 3, dtype=torch.float64), t3)
+        al.analysis.landscape.score_moments(torch.zeros(3, 3, dtype=torch.float64), t3)
 
 
 def test_paired_loss_difference(t3):
     A, B, _ = al.random_manifold_point(t3, seed=0)
-    same = al.landscape.paired_loss_difference((A, B), (A, B), t3, 6, n_prompts=50, seed=1)
+    same = al.analysis.landscape.paired_loss_difference((A, B), (A, B), t3, 6, n_prompts=50, seed=1)
     assert same["diff"] == 0.0 and same["se"] == 0.0
     # loss1 is the plain mean of empirical_loss over the documented prompts
-    res = al.landscape.paired_loss_difference((A, B), (2 * A, B / 2), t3, 5, n_prompts=7, seed=3, chunk=3)
+    res = al.analysis.landscape.paired_loss_difference((A, B), (2 * A, B / 2), t3, 5, n_prompts=7, seed=3, chunk=3)
     vals = []
     for b, m in enumerate((3, 3, 1)):
         X, Y = t3.sample(m * 5, seed=al.derive_seed(3, "paired-prompts", b))
@@ -196,9 +196,9 @@ def test_paired_loss_difference(t3):
     assert res["loss1"] == pytest.approx(np.mean(vals), rel=1e-12)
     assert res["diff"] == pytest.approx(res["loss2"] - res["loss1"], abs=1e-14)
     with pytest.raises(ValueError, match="n_prompts"):
-        al.landscape.paired_loss_difference((A, B), (A, B), t3, 5, n_prompts=1)
+        al.analysis.landscape.paired_loss_difference((A, B), (A, B), t3, 5, n_prompts=1)
     with pytest.raises(ValueError, match="A2: expected"):
-        al.landscape.paired_loss_difference((A, B), (A.T, B), t3, 5, n_prompts=4)
+        al.analysis.landscape.paired_loss_difference((A, B), (A.T, B), t3, 5, n_prompts=4)
 
 
 @pytest.mark.parametrize("svals", [(2.0, 0.5), (1.0, 1.0), (1.0, 0.5, 0.5)], ids=["distinct", "repeated", "rank3"])
@@ -206,7 +206,7 @@ def test_zero_factor_stationary_points_are_strict_saddles(svals):
     t = _task_with_svd(6, 3, svals, seed=4)
     s1 = max(svals)
     for zero in ("At", "C"):
-        A, B = al.landscape.zero_factor_stationary_point(t, zero, seed=5)
+        A, B = al.analysis.landscape.zero_factor_stationary_point(t, zero, seed=5)
         At, C = al.to_factor(A, B, t)
         U, _, V = t.svd
         if zero == "At":
@@ -219,16 +219,16 @@ def test_zero_factor_stationary_points_are_strict_saddles(svals):
         assert label == "strict saddle"
         # the smallest Hessian eigenvalue is exactly -s_1: bounded below by Cauchy-Schwarz, attained
         assert float(ev[0]) == pytest.approx(-s1, abs=1e-9)
-        assert al.landscape.negative_curvature_bound(A, B, t) == pytest.approx(-s1, abs=1e-9)
+        assert al.analysis.landscape.negative_curvature_bound(A, B, t) == pytest.approx(-s1, abs=1e-9)
         # with the regularizer only (0, 0) stays stationary
         A_, B_ = A.clone().requires_grad_(), B.clone().requires_grad_()
         g = torch.autograd.grad(t.excess_risk(A_, B_) + al.regularizer(A_, B_, t, 1.0), (A_, B_))
         nonzero = float(At.abs().max() + C.abs().max()) > 1e-10  # (At, 0) is (0, 0) when rank T = k
         assert (float(g[0].norm() + g[1].norm()) > 1e-3) == nonzero
     with pytest.raises(ValueError, match="zero: expected"):
-        al.landscape.zero_factor_stationary_point(t, "B")
+        al.analysis.landscape.zero_factor_stationary_point(t, "B")
     with pytest.raises(ValueError, match="Z: expected"):
-        al.landscape.zero_factor_stationary_point(t, "At", Z=torch.zeros(3, 6, dtype=torch.float64))
+        al.analysis.landscape.zero_factor_stationary_point(t, "At", Z=torch.zeros(3, 6, dtype=torch.float64))
 
 
 def test_negative_curvature_bound_bounds_the_hessian_at_every_kind_of_stationary_point(t3):
@@ -237,19 +237,19 @@ def test_negative_curvature_bound_bounds_the_hessian_at_every_kind_of_stationary
     G = Q * torch.tensor([2.0, 1.0, 0.5, 1.5], dtype=torch.float64)  # invertible, not orthogonal
     points = [al.stationary_point(t3, J) for J in [(), (0,), (1, 2), (0, 2)]]
     points += [al.apply_symmetry(*p, G, t3) for p in points]  # unbalanced stationary points
-    points += [al.landscape.zero_factor_stationary_point(t3, "At", seed=8)]
+    points += [al.analysis.landscape.zero_factor_stationary_point(t3, "At", seed=8)]
     for A, B in points:
         At, C = al.to_factor(A, B, t3)
         E = At @ C - t3.T
         assert float((E @ C.T).abs().max() + (At.T @ E).abs().max()) < 1e-10  # gradient in (At, C)
-        bound = al.landscape.negative_curvature_bound(A, B, t3)
+        bound = al.analysis.landscape.negative_curvature_bound(A, B, t3)
         lmin = float(al.classify_hessian(al.hessian(A, B, t3))[1][0])
         assert bound < -1e-3 and lmin <= bound + 1e-9
     # at a global minimum E = 0: no negative curvature to report
-    assert al.landscape.negative_curvature_bound(*al.stationary_point(t3, (0, 1, 2)), t3) == 0.0
+    assert al.analysis.landscape.negative_curvature_bound(*al.stationary_point(t3, (0, 1, 2)), t3) == 0.0
     # a point where At and C are both injective (possible for k >= d) gets no bound
     sq = al.Task.random(3, 3, cond=2.0, signal=1.0, seed=9)
     A, B = al.from_factor(torch.eye(3, dtype=torch.float64) + 0.1, torch.eye(3, dtype=torch.float64), sq)
-    assert al.landscape.negative_curvature_bound(A, B, sq) == float("inf")
+    assert al.analysis.landscape.negative_curvature_bound(A, B, sq) == float("inf")
     with pytest.raises(ValueError, match="rtol"):
-        al.landscape.negative_curvature_bound(A, B, sq, rtol=-1.0)
+        al.analysis.landscape.negative_curvature_bound(A, B, sq, rtol=-1.0)

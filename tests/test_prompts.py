@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import attnlib as al
-from attnlib import prompts as pr
-from attnlib import stats as st
+from attnlib.analysis import stats as st
+from attnlib.model import prompts as pr
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ ATTACKS = {
     "gc_scan": "import gc\ndef my_attention(A, B, X):\n    for o in gc.get_objects():\n"
     "        if isinstance(o, dict) and 'expected' in o:\n            return o['expected']\n    return A\n",
     "inspect_stack": "import inspect\ndef my_attention(A, B, X):\n    return inspect.stack()[1].frame.f_locals['x']\n",
-    "read_source": "import sys\nsrc = open(sys.modules['attnlib.layer'].__file__).read()\n"
+    "read_source": "import sys\nsrc = open(sys.modules['attnlib.model.layer'].__file__).read()\n"
     "exec(src.replace('def attention_reference', 'def my_attention'))\n",
     "read_course": "import json\nSRC = json.load(open({source!r}))\n" + ZERO,
     "subprocess": "import subprocess, sys\ndef my_attention(A, B, X):\n    subprocess.run([sys.executable, '-c', "
@@ -199,7 +199,7 @@ def test_messages_say_what_happened(redteam):
     assert f"timed out after {TIMEOUT} s in cell ex1-1-solution" in reports["stuck_top"].messages["ex1-1"]
     assert "called exit() or sys.exit()" in reports["system_exit"].messages["ex1-1"]
     assert "ended the grading process" in reports["os_exit"].messages["ex1-1"]
-    assert "calls attnlib.layer.attention_reference" in reports["alias"].messages["ex1-1"]
+    assert "calls attnlib.model.layer.attention_reference" in reports["alias"].messages["ex1-1"]
     for r in reports.values():
         assert all("KeyboardInterrupt" not in m for m in r.messages.values())
     assert any("visible case's expected value" in f for f in reports["pasted_visible"].flags)

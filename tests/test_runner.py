@@ -9,7 +9,7 @@ import time
 import cloudpickle
 import pytest
 
-from attnlib import runner as rn
+from attnlib.experiments import runner as rn
 
 
 def _toy(spec):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from attnlib import experiments as ex
-from attnlib import stats as st
-from attnlib.stats import excess_ustat
+from attnlib.analysis import stats as st
+from attnlib.analysis.stats import excess_ustat
 
 DATA = Path(__file__).resolve().parents[1] / "book" / "data"
 
@@ -175,7 +175,7 @@ def test_chain_design_simulates_the_truth_with_the_measured_chain_noise():
 
 
 def test_paired_ratio_design_has_its_coverage():
-    from attnlib import stats as st_
+    from attnlib.analysis import stats as st_
 
     rng = np.random.default_rng(0)
     num, den = rng.gamma(3.0, 1.0, 40), rng.gamma(3.0, 1.0, 40)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import attnlib as al
-from attnlib import fixedpoint as fp
-from attnlib import prompts as pr
-from attnlib import theory as th
+from attnlib.analysis import fixedpoint as fp
+from attnlib.analysis import theory as th
 from attnlib.geometry import renormalize
+from attnlib.model import prompts as pr
 
 
 @pytest.fixture(scope="module")

@@ -47,10 +47,10 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
+from ..analysis.stats import fit_geometric_rate, fit_power_law
 from ..geometry import p_norm, regularizer, renormalize, to_factor
-from ..layer import attention_reference, empirical_loss
-from ..stats import fit_geometric_rate, fit_power_law
-from ..task import Task
+from ..model.layer import attention_reference, empirical_loss
+from ..model.task import Task
 from . import hidden
 from .hidden import ExerciseError
 
@@ -254,12 +254,12 @@ EXERCISES: Dict[str, Exercise] = {
             "the same constant is subtracted from all the scores of a row",
             reference=attention_reference,
             forbidden=(
-                "attnlib.layer.attention",
-                "attnlib.layer.attention_reference",
-                "attnlib.layer.attention_weights",
-                "attnlib.finite_n.*",
-                "attnlib.landscape.*",
-                "attnlib.prompts.*",
+                "attnlib.model.layer.attention",
+                "attnlib.model.layer.attention_reference",
+                "attnlib.model.layer.attention_weights",
+                "attnlib.model.finite_n.*",
+                "attnlib.analysis.landscape.*",
+                "attnlib.model.prompts.*",
             ),
         ),
         Exercise(
@@ -270,10 +270,10 @@ EXERCISES: Dict[str, Exercise] = {
             "each k-dimensional residual (do not divide by n k)",
             reference=lambda A, B, X, Y: empirical_loss(A, B, X, Y, fused=False),
             forbidden=(
-                "attnlib.layer.empirical_loss",
-                "attnlib.finite_n.*",
-                "attnlib.landscape.*",
-                "attnlib.prompts.*",
+                "attnlib.model.layer.empirical_loss",
+                "attnlib.model.finite_n.*",
+                "attnlib.analysis.landscape.*",
+                "attnlib.model.prompts.*",
                 *_TRAINING,
             ),
         ),
@@ -285,10 +285,10 @@ EXERCISES: Dict[str, Exercise] = {
             "a value off by a constant factor usually means a missing 1/2",
             reference=_excess,
             forbidden=(
-                "attnlib.task.Task.excess_risk",
-                "attnlib.task.Task.population_loss",
-                "attnlib.task.Task.residual",
-                "attnlib.landscape.*",
+                "attnlib.model.task.Task.excess_risk",
+                "attnlib.model.task.Task.population_loss",
+                "attnlib.model.task.Task.residual",
+                "attnlib.analysis.landscape.*",
                 *_TRAINING,
             ),
         ),
@@ -300,11 +300,11 @@ EXERCISES: Dict[str, Exercise] = {
             "factor is the usual mistake",
             reference=_grad,
             forbidden=(
-                "attnlib.task.Task.population_grad",
-                "attnlib.task.Task.excess_risk",
-                "attnlib.task.Task.population_loss",
+                "attnlib.model.task.Task.population_grad",
+                "attnlib.model.task.Task.excess_risk",
+                "attnlib.model.task.Task.population_loss",
                 *_TRAINING,
-                "attnlib.landscape.*",
+                "attnlib.analysis.landscape.*",
             ),
         ),
         Exercise(
@@ -317,9 +317,9 @@ EXERCISES: Dict[str, Exercise] = {
             forbidden=(
                 "attnlib.geometry.*",
                 "attnlib.linalg.*",
-                "attnlib.task.Task.Sigma_sqrt",
-                "attnlib.task.Task.Sigma_inv_sqrt",
-                "attnlib.task.Task.T",
+                "attnlib.model.task.Task.Sigma_sqrt",
+                "attnlib.model.task.Task.Sigma_inv_sqrt",
+                "attnlib.model.task.Task.T",
             ),
         ),
         Exercise(
@@ -335,7 +335,7 @@ EXERCISES: Dict[str, Exercise] = {
                 "attnlib.geometry.random_manifold_point",
                 "attnlib.geometry.project_to_manifold",
                 "attnlib.geometry._procrustes",
-                "attnlib.landscape.stationary_point",
+                "attnlib.analysis.landscape.stationary_point",
             ),
         ),
         Exercise(
@@ -385,7 +385,7 @@ EXERCISES: Dict[str, Exercise] = {
             "slope, not its intercept",
             reference=lambda x, y: fit_power_law(x, y).slope,
             rtol=1e-7,
-            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
+            forbidden=("attnlib.analysis.stats.*", "attnlib.experiments.*", "attnlib.model.finite_n.*"),
         ),
         Exercise(
             "6.2",
@@ -394,7 +394,7 @@ EXERCISES: Dict[str, Exercise] = {
             "take logarithms of the values: what is then linear in the steps, and how is its slope related to mu?",
             reference=fit_geometric_rate,
             rtol=1e-7,
-            forbidden=("attnlib.stats.*", "attnlib.experiments.*", "attnlib.finite_n.*"),
+            forbidden=("attnlib.analysis.stats.*", "attnlib.experiments.*", "attnlib.model.finite_n.*"),
         ),
     )
 }

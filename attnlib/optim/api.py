@@ -35,14 +35,14 @@ import numpy as np
 import torch
 
 from .._validate import check_matrix, check_positive_int, check_samples, resolve_device, resolve_dtype
-from ..finite_n import softmax_scale
 from ..geometry import Renormalization, manifold_point
-from ..init import random_init, spectral_init
 from ..linalg import sym_inv_sqrt
-from ..prompts import _check_task
+from ..model.finite_n import softmax_scale
+from ..model.prompts import _check_task
+from ..model.task import Task
 from ..rng import make_generator
-from ..task import Task
 from .config import ChainConfig, PromptConfig, TrainConfig, make_config
+from .init import random_init, spectral_init
 from .loop import DivergenceGuard, History, IterateAverage, Recorder, run
 from .objectives import Objective, PromptObjective, empirical_objective, population_objective
 from .steps import METHODS
@@ -216,7 +216,7 @@ class ChainResult:
 
     ``R``: the averaged residual ``mean_m A_m Sigma B_m^T - M`` over the steps after the burn-in
     (k x d numpy array); ``naive_excess``: ``1/2 ||R Sigma^{1/2}||^2`` (biased upwards by the
-    Monte Carlo noise; :func:`attnlib.stats.excess_ustat` removes it); ``test_excess``: mean over the same
+    Monte Carlo noise; :func:`attnlib.analysis.stats.excess_ustat` removes it); ``test_excess``: mean over the same
     steps of the estimates of ``L_n - L*`` (what a user of the layer at length ``n`` sees,
     minus the Bayes risk); ``nu``: the softmax scale ``lambda_max(C^T C)`` at the last iterate;
     ``history``: the loop's record (every ``record_every`` steps); ``batches``: prompt batches drawn.

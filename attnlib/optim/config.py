@@ -20,7 +20,7 @@ import torch
 
 from .._validate import check_nonneg_float, check_positive_int, resolve_dtype
 from ..geometry import RENORMALIZATIONS, _check_nu_cap
-from ..kernels import ENGINES
+from ..model.kernels import ENGINES
 from .steps import METHODS
 
 __all__ = ["TrainConfig", "PromptConfig", "ChainConfig", "make_config"]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..geometry import distance_to_manifold
-from ..task import Task
+from ..model.task import Task
 
 __all__ = ["History", "DivergenceError", "DivergenceGuard", "Recorder", "IterateAverage", "Snapshots", "run"]
 

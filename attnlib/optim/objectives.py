@@ -24,11 +24,11 @@ import torch
 
 from .._validate import check_matrix, check_positive_int, check_samples, resolve_dtype
 from ..geometry import regularizer
-from ..kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
-from ..layer import _empirical_loss
-from ..prompts import _check_prompts, _check_task, _limit_losses, _prompt_losses, sample_prompts
+from ..model.kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
+from ..model.layer import _empirical_loss
+from ..model.prompts import _check_prompts, _check_task, _limit_losses, _prompt_losses, sample_prompts
+from ..model.task import Task, empirical_task
 from ..rng import make_generator
-from ..task import Task, empirical_task
 
 __all__ = ["Objective", "empirical_objective", "population_objective", "PromptObjective"]
 
@@ -37,7 +37,7 @@ __all__ = ["Objective", "empirical_objective", "population_objective", "PromptOb
 class Objective:
     """A loss, the geometry the structured components use, and the balancing regularizer's weight.
 
-    ``loss(A, B, idx)``: the training loss; ``geometry``: a :class:`~attnlib.task.Task` or
+    ``loss(A, B, idx)``: the training loss; ``geometry``: a :class:`~attnlib.model.task.Task` or
     ``None`` (no structured component possible); ``lam``: the regularizer's weight (``0``: off);
     ``n_queries``: the number of query rows a minibatch can draw from (``None``: no minibatches).
     Calling it returns ``(loss, objective)``, both 0-dim tensors.
@@ -91,7 +91,7 @@ class PromptObjective:
     :class:`Objective` with the task as geometry.
 
     ``engine``: how ``mean_b Lhat_n(X_b)`` and its gradient are computed: ``"auto"`` (default) the
-    moment kernel :func:`attnlib.kernels.kernel_loss` on CPU (one pass, no backward), SDPA and
+    moment kernel :func:`attnlib.model.kernels.kernel_loss` on CPU (one pass, no backward), SDPA and
     autograd on CUDA; ``"kernel"`` or ``"sdpa"`` to choose (equal to round-off,
     ``tests/test_kernels.py``). ``attention_dtype``: the dtype of that attention part (default: the
     task's); ``torch.float32`` runs it in float32 on the same prompts (drawn in the task's dtype) with

@@ -26,8 +26,8 @@ threshold, and whether the excess stays below it afterwards), :func:`preconditio
 learned preconditioner's log-slope over the eigenvectors of ``Sigma``: the structured method's is
 ``-1``, plain gradient descent's ``0``; the run's ``History.step_rule`` holds what it learned),
 :func:`imbalance`, and :func:`measure`, which adds the softmax scale ``nu``
-(:func:`attnlib.finite_n.softmax_scale`) and the held-out loss at context length ``n``
-(:func:`attnlib.finite_n.heldout_loss`). Step sizes come from :func:`attnlib.optim.grid.grid_search`.
+(:func:`attnlib.model.finite_n.softmax_scale`) and the held-out loss at context length ``n``
+(:func:`attnlib.model.finite_n.heldout_loss`). Step sizes come from :func:`attnlib.optim.grid.grid_search`.
 
 The parameterization practitioners train: :func:`train_factored` runs the four factors
 ``B = W_Q^T W_K``, ``A = W_O W_V`` (head dimension ``d_h``) on the population objective through a thin loop over
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from .._validate import check_nonneg_float, check_positive_int
-from ..finite_n import heldout_loss, softmax_scale
 from ..geometry import to_factor
-from ..task import Task, as_covariance
+from ..model.finite_n import heldout_loss, softmax_scale
+from ..model.task import Task, as_covariance
 from .loop import History
 from .steps import GradientStep, Method, Step, TorchOptimizerStep, register_method
 

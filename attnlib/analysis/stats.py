@@ -34,8 +34,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from ._validate import check_positive_int
-from .task import as_covariance
+from .._validate import check_positive_int
+from ..model.task import as_covariance
 
 __all__ = [
     "PowerLawFit",
@@ -145,7 +145,7 @@ def fit_error_exponent(
     r"""Power law ``mean error ~ c n^slope`` through the per-``n`` means, with a bootstrap over sequences.
 
     ``errors`` has shape ``(len(ns), n_seeds)``: one value per independent
-    sequence (as returned by :func:`attnlib.finite_n.query_averaged_error`). The slope is the
+    sequence (as returned by :func:`attnlib.model.finite_n.query_averaged_error`). The slope is the
     least-squares slope of ``log(mean over sequences)`` against ``log n``;
     the interval resamples the sequences at each ``n`` independently
     (``n_boot`` times, seeded) and refits: a percentile interval at ``level``.

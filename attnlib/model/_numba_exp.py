@@ -1,4 +1,4 @@
-"""A vectorizable exponential for numba kernels (imported by :mod:`attnlib.kernels` only when numba is installed).
+"""A vectorizable exponential for numba kernels (imported by :mod:`attnlib.model.kernels` only when numba is installed).
 
 :func:`exp_nonpos` (inside compiled code; :func:`exp_array` for a whole array) is our own
 exponential: Cody-Waite range reduction ``x = k ln 2 + r``, a polynomial for ``exp(r)`` (Taylor to

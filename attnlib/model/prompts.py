@@ -11,12 +11,12 @@ minimized with fresh prompts at every step. Ingredients (each tested in ``tests/
 * :func:`sample_prompts`, :func:`batched_attention`, :func:`prompt_losses`: ``P`` prompts of ``n``
   tokens at once, through the fused kernel (``scaled_dot_product_attention`` on a
   ``(P, 1, n, d)`` batch); in training, the mean loss and its gradient come from the moment kernel
-  :func:`attnlib.kernels.kernel_loss` on CPU (one pass over the pairs, no backward; SDPA on CUDA);
+  :func:`attnlib.model.kernels.kernel_loss` on CPU (one pass over the pairs, no backward; SDPA on CUDA);
 * the training side lives in :mod:`attnlib.optim`: :class:`attnlib.optim.PromptObjective` (the
   stochastic objective, with the control variate ``L(theta) + mean_b [Lhat_n(X_b) - Lhat_lim(X_b)]``,
   ``Lhat_lim`` the limit layer on the same tokens) and the presets :func:`attnlib.optim.run_chain`
   and :func:`attnlib.optim.train_prompts`;
-* :func:`attnlib.stats.excess_ustat`: from ``K`` independent chains, an estimate of ``L(theta_n) - L*`` that is
+* :func:`attnlib.analysis.stats.excess_ustat`: from ``K`` independent chains, an estimate of ``L(theta_n) - L*`` that is
   unbiased under the Monte Carlo noise of the chains (a U-statistic over pairs), with a
   jackknife standard error.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_matrix, check_positive_int
+from .._validate import check_matrix, check_positive_int
 from .task import SigmaLike, Task, as_covariance
 
 __all__ = [
@@ -58,7 +58,7 @@ def _check_prompts(X, Y=None):
 def sample_prompts(task: Task, n: int, prompts: int, *, seed=None, generator=None):
     """``prompts`` independent prompts of ``n`` tokens: ``X`` (P, n, d) and ``Y`` (P, n, k).
 
-    Drawn with :meth:`attnlib.task.Task.sample` (float64 on the CPU from the seed or generator, then moved
+    Drawn with :meth:`attnlib.model.task.Task.sample` (float64 on the CPU from the seed or generator, then moved
     to the task's dtype and device); prompt ``b`` is rows ``b n .. (b + 1) n - 1`` of one draw.
     """
     task = _check_task(task)
@@ -72,7 +72,7 @@ def batched_attention(A, B, X) -> torch.Tensor:
     """Self-attention of every prompt at once, fused kernel: ``X`` (P, n, d) -> (P, n, k).
 
     Row ``i`` of prompt ``b`` is ``A sum_j pi_ij x_j`` with ``pi_i = softmax_j(x_i^T B x_j)`` over
-    the ``n`` tokens of that prompt (itself included): :func:`attnlib.layer.attention` per prompt.
+    the ``n`` tokens of that prompt (itself included): :func:`attnlib.model.layer.attention` per prompt.
     """
     X, _ = _check_prompts(X)
     d = X.shape[2]

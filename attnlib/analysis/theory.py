@@ -21,7 +21,7 @@ Hence ``L_n = L + D_1 / n + O(n^-2)`` with, for ``G = At^T At``, ``F = At^T (At 
 det(I - 2Q)^{-1/2} (I - 2Q)^{-1}``), finite only when ``lambda_max(K) < 1/2`` and
 ``lambda_max(H) < 1/2`` (:func:`thresholds`). :func:`d1` evaluates it (differentiable).
 
-The chains of :func:`attnlib.prompts.run_chain` compute the fixed point of "step on ``L_n``, then
+The chains of :func:`attnlib.model.prompts.run_chain` compute the fixed point of "step on ``L_n``, then
 renormalize", not the minimizer of ``L_n`` on the constraint set. The renormalization keeps the
 product ``P = At C``, so at a fixed point the step leaves the product unchanged; to first order in
 ``1/n`` (the step's quadratic term is ``O(n^-2)``) the residual ``E = P - T = E_1 / n`` solves the
@@ -52,10 +52,10 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from ._validate import check_matrix, check_nonneg_float
+from .._validate import check_matrix, check_nonneg_float
+from ..geometry import to_factor
+from ..model.task import Task
 from .fixedpoint import IteratedMap
-from .geometry import to_factor
-from .task import Task
 
 __all__ = [
     "thresholds",
@@ -227,8 +227,8 @@ class SurrogateMap(IteratedMap):
     ``G(v)``: the step of :class:`attnlib.renorm.ScaledStructuredStep` (``At -= lr t^2 grad``,
     ``C -= lr grad / t^2``, ``t^2 = ||At||_F / ||C||_F``) in the factor coordinates of the true
     ``Sigma``, then the balanced (Procrustes) factorization and the orbit move of ``mode``; the
-    same interface as :class:`attnlib.fixedpoint.SequenceMap` (``size``, ``unpack``, ``pack``,
-    ``jacobian``, ``to_params``), so :func:`attnlib.fixedpoint.fixed_point` finds its fixed point.
+    same interface as :class:`attnlib.analysis.fixedpoint.SequenceMap` (``size``, ``unpack``, ``pack``,
+    ``jacobian``, ``to_params``), so :func:`attnlib.analysis.fixedpoint.fixed_point` finds its fixed point.
     """
 
     def __init__(self, task: Task, n: float, lr: float = 0.5, *, mode: str = "balance", kappa: Optional[float] = None):
@@ -253,7 +253,7 @@ class SurrogateMap(IteratedMap):
         return 0.5 * torch.sum((At @ C - self.task.T) ** 2) + d1_factor(At, C, self.task.T) / self.n
 
     def to_params(self, v):
-        from .geometry import from_factor
+        from ..geometry import from_factor
 
         return from_factor(*self.unpack(v.detach()), self.task)
 

@@ -19,10 +19,10 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_matrix, check_positive_int
+from .._validate import check_matrix, check_positive_int
+from ..linalg import sym_sqrt
+from ..rng import derive_seed
 from .layer import attention, attention_limit, empirical_loss
-from .linalg import sym_sqrt
-from .rng import derive_seed
 from .task import SigmaLike, Task, as_covariance
 
 __all__ = [
@@ -161,7 +161,7 @@ def softmax_scale(A, B, Sigma: SigmaLike) -> float:
     For a query ``q = Sigma^{1/2} z`` and ``a = B^T q``, the exponent of the
     effective sample size is ``a^T Sigma a = z^T C^T C z``; for
     ``q ~ N(0, Sigma)`` (``z`` standard normal), ``E_q exp(a^T Sigma a)`` is
-    finite iff this value is below :data:`~attnlib.finite_n.HEAVY_TAIL_THRESHOLD` ``= 1/2``.
+    finite iff this value is below :data:`~attnlib.model.finite_n.HEAVY_TAIL_THRESHOLD` ``= 1/2``.
     It is ``||C||_2^2`` (operator norm, not Frobenius); at a balanced minimum
     of a task it equals the top singular value ``s_1(T)`` of ``T = M Sigma^{1/2}``.
     ``A`` is only validated (the scale does not depend on it); the argument
@@ -277,7 +277,7 @@ def query_averaged_error(
     The fused kernel is used, in chunks of at most ``2^22`` scores, so memory
     stays bounded for ``n`` up to tens of thousands. Returns a tensor of shape
     ``(len(ns), n_seeds)``: one query average per sequence, so that fits can
-    resample sequences (:func:`attnlib.stats.fit_error_exponent`).
+    resample sequences (:func:`attnlib.analysis.stats.fit_error_exponent`).
     """
     task = _check_task(task)
     ns = _check_ns(ns)

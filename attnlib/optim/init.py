@@ -6,10 +6,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._validate import check_nonneg_float, check_positive_int, check_samples, resolve_device, resolve_dtype
-from .geometry import from_factor
-from .rng import make_generator
-from .task import empirical_task
+from .._validate import check_nonneg_float, check_positive_int, check_samples, resolve_device, resolve_dtype
+from ..geometry import from_factor
+from ..model.task import empirical_task
+from ..rng import make_generator
 
 __all__ = ["spectral_init", "random_init"]
 
@@ -22,7 +22,7 @@ def spectral_init(X, Y, rank: Optional[int] = None) -> Tuple[torch.Tensor, torch
     ``min(k, d)``), then ``At0 = Uh Sh^{1/2} Vh^T``, ``C0 = Vh Sh^{1/2} Vh^T``
     mapped back with ``Sigmahat``. The result is balanced
     (``At0^T At0 = C0 C0^T``) and, at full rank, lies exactly on the manifold
-    of minima of :func:`~attnlib.task.empirical_task` ``(X, Y)``; its limiting
+    of minima of :func:`~attnlib.model.task.empirical_task` ``(X, Y)``; its limiting
     map is ``A0 Sigmahat B0^T = Mhat``.
 
     Returns tensors with the dtype and device of ``X``.

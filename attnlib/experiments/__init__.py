@@ -1,7 +1,7 @@
 """Every sweep of the book (``SWEEPS``: chapter 2's heavy tail, chapters 6 and 7), their CLI and the
-helpers that select their rows for the analysis (:mod:`attnlib.stats`). The runs go through the one
-resumable runner, :func:`attnlib.runner.run_sweep`, and are read back with the one reader,
-:func:`attnlib.runner.read_sweep` (re-exported here as :func:`read_sweep`).
+helpers that select their rows for the analysis (:mod:`attnlib.analysis.stats`). The runs go through the one
+resumable runner, :func:`attnlib.experiments.runner.run_sweep`, and are read back with the one reader,
+:func:`attnlib.experiments.runner.read_sweep` (re-exported here as :func:`read_sweep`).
 
 Command line (from the repository root; ``--workers N`` fans the runs out over a local Dask
 cluster of N processes, ``--scheduler ADDRESS`` over an existing cluster, default: in process)::
@@ -33,7 +33,7 @@ Regime (i), ``n`` = the number of tokens of the one training sequence:
 
 Regime (ii), ``n`` = context length, infinitely many prompts:
 
-* ``prompts``: ``attnlib.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
+* ``prompts``: ``attnlib.model.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
   last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalizations ``cap`` 0.25,
   ``fix`` 0.375, ``fix`` 0.7 and ``balance``, which gives ``s_1(T) = 0.94`` for this task), 6
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
@@ -49,22 +49,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .finite_n import heldout_loss, orbit_to_scale, query_averaged_error, softmax_scale
-from .geometry import distance_to_manifold, orbit_distance, random_manifold_point
-from .init import spectral_init
-from .optim import ChainConfig, Snapshots, run_chain, train, train_prompts
-from .optim.grid import grid_search
-from .rng import derive_seed
+from ..analysis.stats import ExponentFit, excess_ustat, fit_exponent, ustat_exponent
+from ..geometry import distance_to_manifold, orbit_distance, random_manifold_point
+from ..model.finite_n import heldout_loss, orbit_to_scale, query_averaged_error, softmax_scale
+from ..model.task import Task
+from ..optim import ChainConfig, Snapshots, run_chain, train, train_prompts
+from ..optim.grid import grid_search
+from ..optim.init import spectral_init
+from ..rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
-from .stats import ExponentFit, excess_ustat, fit_exponent, ustat_exponent
-from .task import Task
 
 __all__ = [
     "TASK",
@@ -91,13 +90,13 @@ __all__ = [
     "main",
 ]
 
-#: The task every sweep uses (arguments of :meth:`attnlib.task.Task.random`).
+#: The task every sweep uses (arguments of :meth:`attnlib.model.task.Task.random`).
 TASK = dict(d=4, k=2, cond=10.0, signal=1.0, seed=0)
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """The sweeps' task as attributes (what :meth:`attnlib.task.Task.random` receives, seed as ``task_seed``)."""
+    """The sweeps' task as attributes (what :meth:`attnlib.model.task.Task.random` receives, seed as ``task_seed``)."""
 
     d: int
     k: int
@@ -244,7 +243,7 @@ def _run_rate(spec: dict) -> List[dict]:
     X, Y = _sequence(task, "regime-i-rate", n, seed)
     rec = Snapshots()
     h = _train(spec, task, X, Y, hooks=(rec,))
-    from .task import empirical_task
+    from ..model.task import empirical_task
 
     geom = empirical_task(X, Y)
     A_inf, B_inf = rec.iterates[-1]
@@ -324,8 +323,8 @@ LIMIT_RECORD = (0, 80, 300)  #: steps of G recorded before Newton starts from th
 
 def _run_limit(spec: dict) -> List[dict]:
     """One sequence: the spectral initialization, 80 and 300 steps of G, and the stable fixed point of G."""
-    from .fixedpoint import SequenceMap, fixed_point
-    from .fixedpoint import spectrum as jac_spectrum
+    from ..analysis.fixedpoint import SequenceMap, fixed_point
+    from ..analysis.fixedpoint import spectrum as jac_spectrum
 
     task = make_task(spec["noise_std"])
     n, seed = int(spec["n"]), int(spec["seed"])
@@ -406,9 +405,9 @@ def law_starts(spec: dict):
     (``start=spectral`` in the run's name), the spectral initialization from the chain's first prompts:
     the ``prompts`` prompts of its first step, pooled (``prompts * n`` tokens). Both before the
     renormalization."""
-    from .geometry import manifold_point, perturb
-    from .prompts import sample_prompts
-    from .rng import make_generator
+    from ..geometry import manifold_point, perturb
+    from ..model.prompts import sample_prompts
+    from ..rng import make_generator
 
     task = make_task(0.0)
     n, pair = int(spec["n"]), int(spec["pair"])
@@ -475,7 +474,7 @@ def _law_specs(scale, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=Fa
     ]
 
 
-#: The cap that minimizes the predicted c2 at the chains' point W = V (``attnlib.theory.best_scale``: 0.145),
+#: The cap that minimizes the predicted c2 at the chains' point W = V (``attnlib.analysis.theory.best_scale``: 0.145),
 #: run with the design of the ``prompts`` sweep to test the prediction against the cap 1/4 (issue 21).
 BEST_SCALE = (("cap0.145", "cap", 0.145),)
 
@@ -592,7 +591,7 @@ SWEEPS: Dict[str, dict] = {
 
 
 def sweep(name: str, quick: bool = False) -> Sweep:
-    """The ``attnlib.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests)."""
+    """The ``attnlib.experiments.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests)."""
     if name not in SWEEPS:
         raise ValueError(f"name: expected one of {tuple(SWEEPS)}, got {name!r}")
     s = SWEEPS[name]
@@ -661,7 +660,7 @@ def fit_floor(
     """Exponent of the regime-(i) excess against ``n`` over independent seeds (rows of the ``trained`` sweep).
 
     ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
-    initialization). ``stat``: fit the per-``n`` mean or median (``attnlib.stats.fit_exponent``).
+    initialization). ``stat``: fit the per-``n`` mean or median (``attnlib.analysis.stats.fit_exponent``).
     """
     sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
     if not sel:
@@ -728,13 +727,13 @@ def prompt_residuals(rows, label: str) -> Dict[int, np.ndarray]:
 
 
 def prompt_excess(rows, label: str) -> Dict[int, dict]:
-    """Per ``n``: ``attnlib.stats.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
+    """Per ``n``: ``attnlib.analysis.stats.excess_ustat`` of the chains of the regime-(ii) scale ``label``."""
     Sigma = make_task(0.0).Sigma
     return {n: excess_ustat(Rs, Sigma) for n, Rs in prompt_residuals(rows, label).items()}
 
 
 def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: float = 0.95) -> ExponentFit:
-    """Exponent of the regime-(ii) excess against ``n``: ``attnlib.stats.ustat_exponent`` of the
+    """Exponent of the regime-(ii) excess against ``n``: ``attnlib.analysis.stats.ustat_exponent`` of the
     U-statistics over chains (relative errors pooled over ``n``, Student's t)."""
     est = {
         n: e
@@ -779,8 +778,8 @@ def optimizer_task(cond: float, seed: int) -> Task:
 
 def optimizer_start(task: Task, start: str, seed: int):
     """The start ``"near"`` (manifold point moved by P-norm ``OPT_NEAR_RADIUS``) or ``"saddle"`` (scale 1e-2)."""
-    from .geometry import perturb, random_manifold_point
-    from .init import random_init
+    from ..geometry import perturb, random_manifold_point
+    from ..optim.init import random_init
 
     s = derive_seed(int(seed), f"optimizers:start={start}")
     if start == "near":
@@ -799,7 +798,7 @@ def optimizer_grid(label: str) -> List[float]:
 
 def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_every: int = 1):
     """One training run of the optimizers sweep at step ``lr``: ``(History, step rule)``."""
-    from .optim import train_population
+    from ..optim import train_population
 
     method, extra, _ = OPT_METHODS[spec["label"]]
     task = optimizer_task(spec["cond"], spec["seed"])
@@ -845,7 +844,7 @@ def _heldout_selected_rows(spec: dict, task: Task, run, stream: str, n_heldout: 
     the finite layer on ``n_heldout`` fresh sequences of length ``spec["n"]`` (stream ``<stream>:select``);
     the selected run is evaluated on ``n_heldout`` other fresh sequences (``<stream>:evaluate``) and measured:
     ``extra(history)``, then ``excess``, ``heldout`` (minus the Bayes risk), ``imbalance``, ``nu``."""
-    from .optim import optimizers as opt
+    from ..optim import optimizers as opt
 
     n = int(spec["n"])
     select_seed = derive_seed(int(spec["seed"]), f"{stream}:select")
@@ -877,7 +876,7 @@ def _method_specs(labels, conds, seeds, n: int, steps: int) -> List[dict]:
 
 
 def _run_optimizers(spec: dict) -> List[dict]:
-    from .optim import optimizers as opt
+    from ..optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     steps_of: Dict[float, object] = {}
@@ -974,7 +973,7 @@ OPT_FACTOR_STEPS = 600
 
 def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
     """One four-factor run of the ``optimizers_factored`` sweep at step ``lr`` (a History)."""
-    from .optim.optimizers import train_factored
+    from ..optim.optimizers import train_factored
 
     task = optimizer_task(spec["cond"], spec["seed"])
     return train_factored(
@@ -989,7 +988,7 @@ def run_factored(spec: dict, lr: float, *, on_divergence: str = "stop"):
 
 
 def _run_optimizers_factored(spec: dict) -> List[dict]:
-    from .optim import optimizers as opt
+    from ..optim import optimizers as opt
 
     task = optimizer_task(spec["cond"], spec["seed"])
     lo, hi = OPT_FACTOR_GRIDS[spec["label"]]
@@ -1070,12 +1069,12 @@ SWEEPS["optimizers_prompts"] = dict(
 # an orbit (chapter 2, section "Averaged over queries"). The point is the balanced minimum
 # ``random_manifold_point(task, seed=HEAVY_TAIL_MANIFOLD_SEED)`` of chapter 2's task, moved along the orbit
 # ``(t At, C / t)`` to each softmax scale ``lambda_max(C^T C)`` (the population loss is the same at every point);
-# one run = one (scale, include_self, n): ``attnlib.finite_n.query_averaged_error`` on ``seeds`` independent
+# one run = one (scale, include_self, n): ``attnlib.model.finite_n.query_averaged_error`` on ``seeds`` independent
 # sequences of ``n`` tokens, each with ``n_queries`` fresh queries (``include_self=0``) or its own first
 # ``n_queries`` tokens as queries (``include_self=1``, the scales of HEAVY_TAIL_DESIGN["self_scales"]); a row per
 # sequence (``seed`` = its draw index). The full sweep took 18 minutes on one core of the shared 2-core machine.
 
-#: Chapter 2's task (arguments of :meth:`attnlib.task.Task.random`) and the seed of its balanced minimum.
+#: Chapter 2's task (arguments of :meth:`attnlib.model.task.Task.random`) and the seed of its balanced minimum.
 HEAVY_TAIL_TASK = dict(d=4, k=2, cond=4.0, signal=1.0, noise_std=0.2, seed=3)
 HEAVY_TAIL_MANIFOLD_SEED = 4
 #: The heavy-tail sweep's design: softmax scales, the scales also run with the sequence's own tokens as
@@ -1136,7 +1135,7 @@ def heavy_tail_errors(rows, scale: float, *, include_self: bool = False) -> Tupl
     """The block of ``heavy_tail`` rows at one softmax ``scale``: ``(ns, errors)``.
 
     ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the sequences in the order of
-    their draw index (the input of :func:`attnlib.stats.fit_error_exponent`). Raises ``ValueError``
+    their draw index (the input of :func:`attnlib.analysis.stats.fit_error_exponent`). Raises ``ValueError``
     if there are no rows for ``scale`` or the lengths have different numbers of sequences.
     """
     flag = int(bool(include_self))
@@ -1188,7 +1187,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"CPU time of the new runs {info['cpu_s']:.1f} s"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_matrix, check_samples
+from .._validate import check_matrix, check_samples
 from .kernels import _kernel_loss_unchecked, resolve_engine
 from .task import SigmaLike, as_covariance
 
@@ -95,7 +95,7 @@ def attention_reference(A, B, X, queries=None) -> torch.Tensor:
 def attention_limit(A, B, Sigma: SigmaLike, queries) -> torch.Tensor:
     """The infinite-data limit ``q -> A Sigma B^T q`` applied to each row of ``queries`` (m, d).
 
-    ``Sigma``: the token covariance, as a matrix or a :class:`~attnlib.task.Task`.
+    ``Sigma``: the token covariance, as a matrix or a :class:`~attnlib.model.task.Task`.
     """
     Sigma = as_covariance(Sigma)
     d = Sigma.shape[0]
@@ -116,7 +116,7 @@ def empirical_loss(
 
     ``engine`` chooses how the (fused) loss and its gradient are computed: ``"sdpa"`` (default)
     :func:`attention` and autograd, differentiable in everything, twice; ``"kernel"``
-    :func:`attnlib.kernels.kernel_loss`, one moment pass that returns the loss and saves its gradient
+    :func:`attnlib.model.kernels.kernel_loss`, one moment pass that returns the loss and saves its gradient
     in ``A`` and ``B`` (CPU, ``d <= 8``, numba; ``X``, ``Y`` are data; about 2.5x (float64) to 5x
     (float32) faster, ``benchmarks/kernel.md``); ``"auto"`` the kernel where it applies, else SDPA
     (CUDA). Values and gradients agree to round-off (``tests/test_kernels.py``).

@@ -32,8 +32,8 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ._validate import check_matrix, check_nonneg_float, check_positive_int
-from .geometry import (
+from .._validate import check_matrix, check_nonneg_float, check_positive_int
+from ..geometry import (
     SigmaLike,
     from_factor,
     perturb,
@@ -42,8 +42,8 @@ from .geometry import (
     regularizer,
     to_factor,
 )
-from .rng import derive_seed, make_generator
-from .task import Task, as_covariance
+from ..model.task import Task, as_covariance
+from ..rng import derive_seed, make_generator
 
 __all__ = [
     "apply_symmetry",

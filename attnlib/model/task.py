@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._validate import (
+from .._validate import (
     check_matrix,
     check_nonneg_float,
     check_positive_int,
@@ -28,8 +28,8 @@ from ._validate import (
     resolve_device,
     resolve_dtype,
 )
-from .linalg import numerical_rank, sym_inv_sqrt, sym_sqrt
-from .rng import make_generator
+from ..linalg import numerical_rank, sym_inv_sqrt, sym_sqrt
+from ..rng import make_generator
 
 __all__ = ["Task", "empirical_task", "as_covariance", "SigmaLike"]
 

@@ -33,11 +33,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._validate import check_nonneg_float, check_positive_int, check_samples
-from .geometry import _check_nu_cap
-from .init import spectral_init
-from .linalg import sym_inv_sqrt, sym_sqrt
-from .task import Task
+from .._validate import check_nonneg_float, check_positive_int, check_samples
+from ..geometry import _check_nu_cap
+from ..linalg import sym_inv_sqrt, sym_sqrt
+from ..model.task import Task
+from ..optim.init import spectral_init
 
 __all__ = ["SequenceMap", "FixedPoint", "fixed_point", "Spectrum", "spectrum", "rotation_basis", "orbit_curvature"]
 
@@ -261,7 +261,7 @@ def fixed_point(
     """
     if not (callable(gmap) and hasattr(gmap, "jacobian") and hasattr(gmap, "size")):
         raise ValueError(
-            f"gmap: expected an attnlib.fixedpoint.SequenceMap (or a map like it), got {type(gmap).__name__}"
+            f"gmap: expected an attnlib.analysis.fixedpoint.SequenceMap (or a map like it), got {type(gmap).__name__}"
         )
     if v0 is None and not isinstance(gmap, SequenceMap):
         raise ValueError("v0: a starting point is needed for a map other than a SequenceMap")

@@ -216,7 +216,7 @@ def _write_block(fh, header, rows) -> None:
 
 def _check_reach(sweep, workers, scheduler, client) -> None:
     if not isinstance(sweep, Sweep):
-        raise ValueError(f"sweep: expected an attnlib.runner.Sweep, got {type(sweep).__name__}")
+        raise ValueError(f"sweep: expected an attnlib.experiments.runner.Sweep, got {type(sweep).__name__}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"workers: expected an integer >= 0, got {workers!r}")
     if sum(x is not None and x is not False for x in (scheduler, client)) + (workers > 0) > 1:
