@@ -40,20 +40,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-__all__ = [
-    "BOOK_DIR",
-    "chapters",
-    "graded_cells",
-    "init",
-    "release",
-    "collect",
-    "grade",
-    "export",
-    "feedback",
-    "source_notebook",
-    "main",
-]
-
 #: The book's folder (the master notebooks), next to the package in a checkout.
 BOOK_DIR = Path(__file__).resolve().parents[2] / "book"
 
@@ -79,14 +65,16 @@ def chapters(book_dir=None) -> List[str]:
 #: The commands, from the modules that implement them (imported on first use: ``import attnlib.course`` stays cheap).
 _LAZY = {
     "graded_cells": "handout.graded_ids",  # {grade_id: points} of a notebook's graded cells
-    "source_notebook": "handout",
     "init": "coursedir",
     "release": "coursedir",
     "collect": "coursedir",
     "grade": "coursedir",
     "export": "coursedir",
     "feedback": "coursedir",
+    "source_notebook": "handout",
 }
+
+__all__ = ["BOOK_DIR", "chapters", *_LAZY, "main"]
 
 
 def __getattr__(name):

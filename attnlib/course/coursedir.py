@@ -309,24 +309,8 @@ def _log_path(root: Path, chapter: str) -> Path:
     return root / "reports" / f"{chapter}-collect.json"
 
 
-def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectResult:
-    """Collect submitted notebooks of ``chapter`` into ``submitted/<student>/<chapter>/``.
-
-    ``paths`` are files (``alice.ipynb``, or ``alice/<chapter>.ipynb``) or
-    folders holding such files. Each file is checked
-    (:func:`attnlib.course.submissions.inspect_submission`): bad files are
-    rejected with a one-line reason, repaired ones are collected with their
-    problems listed. A student collected again replaces the earlier copy.
-    """
-    import nbformat
-
-    root = _root(course)
-    release_nb = root / "release" / chapter / f"{chapter}.ipynb"
-    if not release_nb.is_file():
-        raise ValueError(f"chapter: {chapter!r} is not released in {root}; run release first")
-    handout = read_notebook(release_nb)
-    handouts = _handouts(_book(book_dir))
-    fingerprint = release_record(root, chapter)["fingerprint"]
+def _submitted_files(paths: Iterable) -> List[Path]:
+    """The files in ``paths``: files as given, and folders' ``.ipynb`` files and symbolic links to folders."""
     files: List[Path] = []
     for p in map(Path, paths):
         if p.is_dir() and not p.is_symlink():
@@ -339,34 +323,72 @@ def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectR
             files.append(p)
     if not files:
         raise ValueError("paths: expected submitted notebooks (files or folders holding .ipynb files), got none")
+    return files
+
+
+def _checked(f: Path, chapter: str, handout: dict, handouts, fingerprint):
+    """``(student id, notebook node, problems)`` of the submitted file ``f``, or :class:`SubmissionError`."""
+    import nbformat
+
+    if f.is_symlink():
+        raise SubmissionError(f"{f}: is a symbolic link; submit the notebook file itself")
+    sid = _student_id(f, chapter)
+    nb, problems = inspect_submission(f, chapter, handout, handouts, fingerprint)
+    node = nbformat.from_dict(_normalized(nb))
+    try:
+        nbformat.validate(node)
+    except nbformat.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0][:200]
+        raise SubmissionError(f"{f}: not a valid notebook (nbformat: {first})") from None
+    return sid, node, problems
+
+
+def _store(root: Path, chapter: str, f: Path, sid: str, node) -> Optional[str]:
+    """Write the checked ``node`` to ``submitted/<sid>/<chapter>/``; the rejection if ``sid`` leads elsewhere."""
+    import nbformat
+
+    dest = root / "submitted" / sid / chapter
+    if dest.resolve().parent.parent != (root / "submitted").resolve():  # pragma: no cover - ids are checked
+        return f"{f}: the student id {sid!r} points outside the submission folder"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    nbformat.write(node, str(dest / f"{chapter}.ipynb"))
+    stamp = datetime.fromtimestamp(f.stat().st_mtime, tz=timezone.utc)
+    (dest / "timestamp.txt").write_text(stamp.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
+    return None
+
+
+def collect(course, chapter: str, paths: Iterable, *, book_dir=None) -> CollectResult:
+    """Collect submitted notebooks of ``chapter`` into ``submitted/<student>/<chapter>/``.
+
+    ``paths`` are files (``alice.ipynb``, or ``alice/<chapter>.ipynb``) or
+    folders holding such files. Each file is checked
+    (:func:`attnlib.course.submissions.inspect_submission`): bad files are
+    rejected with a one-line reason, repaired ones are collected with their
+    problems listed. A student collected again replaces the earlier copy.
+    """
+    root = _root(course)
+    release_nb = root / "release" / chapter / f"{chapter}.ipynb"
+    if not release_nb.is_file():
+        raise ValueError(f"chapter: {chapter!r} is not released in {root}; run release first")
+    handout = read_notebook(release_nb)
+    handouts = _handouts(_book(book_dir))
+    fingerprint = release_record(root, chapter)["fingerprint"]
+    files = _submitted_files(paths)
     result = CollectResult(chapter)
     log_file = _log_path(root, chapter)
     log = json.loads(log_file.read_text()) if log_file.is_file() else {}
     for f in files:
         try:
-            if f.is_symlink():
-                raise SubmissionError(f"{f}: is a symbolic link; submit the notebook file itself")
-            sid = _student_id(f, chapter)
-            nb, problems = inspect_submission(f, chapter, handout, handouts, fingerprint)
-            node = nbformat.from_dict(_normalized(nb))
-            try:
-                nbformat.validate(node)
-            except nbformat.ValidationError as exc:
-                first = str(exc).strip().splitlines()[0][:200]
-                raise SubmissionError(f"{f}: not a valid notebook (nbformat: {first})") from None
+            sid, node, problems = _checked(f, chapter, handout, handouts, fingerprint)
         except SubmissionError as exc:
             result.rejected[str(f)] = str(exc)
             continue
-        dest = root / "submitted" / sid / chapter
-        if dest.resolve().parent.parent != (root / "submitted").resolve():  # pragma: no cover - ids are checked
-            result.rejected[str(f)] = f"{f}: the student id {sid!r} points outside the submission folder"
+        rejected = _store(root, chapter, f, sid, node)
+        if rejected is not None:  # pragma: no cover - ids are checked
+            result.rejected[str(f)] = rejected
             continue
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        nbformat.write(node, str(dest / f"{chapter}.ipynb"))
-        stamp = datetime.fromtimestamp(f.stat().st_mtime, tz=timezone.utc)
-        (dest / "timestamp.txt").write_text(stamp.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
         result.collected.append(sid)
         result.problems[sid] = problems
         log[sid] = {"file": str(f), "problems": problems}

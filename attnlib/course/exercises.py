@@ -681,26 +681,15 @@ def judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
     return v
 
 
-def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
-    """The verdict on the worker's ``answer`` (``Sandbox.run``) for exercise ``key``.
+def _earlier(recent, phase) -> bool:
+    """A cell of an earlier exercise: its own graded cell paid for it."""
+    return recent is not None and str(phase).startswith("cell ") and str(phase)[5:] not in recent
 
-    Expected values are computed here, in the instructor's process, from
-    the release ``seed``; the worker never had them. Forbidden library calls
-    during the function's run, refused operations, results of the student's
-    own classes, a result equal to a visible case's expected value, timeouts,
-    process deaths and ``SystemExit`` are flagged for review.
-    """
-    ex = _exercise(key)
-    name = ex.signature.split("(")[0]
-    head = f"Exercise {key} (graded)"
-    events = answer["events"]
+
+def _review(key: str, name: str, events, recent):
+    """``(flags, fail)``: the worker's forbidden calls, refused operations and exits, and the first that fails."""
     flags: List[str] = []
     fail = None
-    recent = answer.get("recent")
-
-    def earlier(phase):  # a cell of an earlier exercise: its own graded cell paid for it
-        return recent is not None and str(phase).startswith("cell ") and str(phase)[5:] not in recent
-
     for e in events:
         if "forbidden" in e and str(e.get("phase", "")).startswith("hidden case"):
             msg = f"{name} calls {e['forbidden']}, a library function that does what the exercise asks you to write"
@@ -711,37 +700,49 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
             shown = f"while {name} ran" if str(where).startswith("hidden case") else f"in {where}"
             verdict = "allowed at the top level" if e.get("allowed") else "refused"
             flags.append(f"exercise {key}: the student's code tried {e['blocked']} {shown}; {verdict}")
-            if e.get("serious") and not earlier(where):
+            if e.get("serious") and not _earlier(recent, where):
                 fail = fail or f"the student's code tried {e['blocked']} ({where}), which grading refuses"
     for e in events:
-        if e.get("exit") and not ("cell" in e and earlier(f"cell {e['cell']}")):
+        if e.get("exit") and not ("cell" in e and _earlier(recent, f"cell {e['cell']}")):
             where = f"cell {e['cell']}" if "cell" in e else f"{name} on hidden case {e['case'] + 1}"
             msg = f"the student's code called exit() or sys.exit() (SystemExit in {where})"
             flags.append(f"exercise {key}: {msg}")
             fail = fail or msg
+    return flags, fail
+
+
+def _cut_short(key: str, name: str, head: str, answer: dict, timeout: float, flags) -> Verdict | None:
+    """The verdict on a worker that timed out or ended before its last report (``None`` if it did not)."""
+    events = answer["events"]
+    if not (answer.get("timed_out") or not any("end" in e for e in events) and _last(events, "missing") is None):
+        return None
+    started = [e for e in events if e.get("start")]
+    last = started[-1] if started else None
     fatal = None
-    if answer.get("timed_out") or not any("end" in e for e in events) and _last(events, "missing") is None:
-        started = [e for e in events if e.get("start")]
-        last = started[-1] if started else None
-        if (
-            last is not None
-            and "cell" in last
-            and not any(e.get("cell") == last["cell"] and not e.get("start") for e in events)
-        ):
-            where, fatal = f"cell {last['cell']}", last["cell"]
-        elif last is not None and "case" in last:
-            where = f"{name} on hidden case {last['case'] + 1}"
-        else:
-            where = "the setup"
-        if answer.get("timed_out"):
-            msg = f"timed out after {timeout:g} s in {where} (an endless loop?)"
-        elif answer.get("signal"):
-            msg = f"the grading process was killed by signal {answer['signal']} in {where} (a crash?)"
-        else:
-            status = answer.get("exit")
-            msg = f"the student's code ended the grading process in {where} (os._exit or a crash; status {status})"
-        flags.append(f"exercise {key}: {msg}")
-        return Verdict(False, f"{head}: {msg}", flags, fatal)
+    if (
+        last is not None
+        and "cell" in last
+        and not any(e.get("cell") == last["cell"] and not e.get("start") for e in events)
+    ):
+        where, fatal = f"cell {last['cell']}", last["cell"]
+    elif last is not None and "case" in last:
+        where = f"{name} on hidden case {last['case'] + 1}"
+    else:
+        where = "the setup"
+    if answer.get("timed_out"):
+        msg = f"timed out after {timeout:g} s in {where} (an endless loop?)"
+    elif answer.get("signal"):
+        msg = f"the grading process was killed by signal {answer['signal']} in {where} (a crash?)"
+    else:
+        status = answer.get("exit")
+        msg = f"the student's code ended the grading process in {where} (os._exit or a crash; status {status})"
+    flags.append(f"exercise {key}: {msg}")
+    return Verdict(False, f"{head}: {msg}", flags, fatal)
+
+
+def _not_run(name: str, head: str, answer: dict, fail, flags) -> Verdict | None:
+    """The verdict when the setup failed, the review failed the exercise, or the function is missing (else ``None``)."""
+    events, recent = answer["events"], answer.get("recent")
     setup = _last(events, "setup_error")
     if setup is not None:
         return Verdict(False, f"{head}: the handout's import cell failed when graded ({setup['setup_error']})", flags)
@@ -753,6 +754,11 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         cause = f" (cell {errors[-1]['cell']} raised {errors[-1]['error']})" if errors else answer.get("why", "")
         what = "is not defined" if missing["missing"] is None else f"is a {missing['missing']}, not a function"
         return Verdict(False, f"{head}: {name} {what}{cause}", flags)
+    return None
+
+
+def _on_cases(key: str, ex: Exercise, name: str, head: str, events, seed: int, flags) -> Verdict:
+    """The verdict on the function's results on the hidden cases of the release ``seed``."""
     cases = hidden_cases(key, seed)
     visible = None
     results = {e["case"]: e for e in events if "case" in e and not e.get("start")}
@@ -781,3 +787,22 @@ def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
         if msg is not None:
             return Verdict(False, f"{head}: {name} is not right on {where}: {msg}", flags)
     return Verdict(True, f"{head}: passed ({len(cases)} hidden cases)", flags)
+
+
+def _judge(key: str, answer: dict, seed: int, timeout: float) -> Verdict:
+    """The verdict on the worker's ``answer`` (``Sandbox.run``) for exercise ``key``.
+
+    Expected values are computed here, in the instructor's process, from
+    the release ``seed``; the worker never had them. Forbidden library calls
+    during the function's run, refused operations, results of the student's
+    own classes, a result equal to a visible case's expected value, timeouts,
+    process deaths and ``SystemExit`` are flagged for review.
+    """
+    ex = _exercise(key)
+    name = ex.signature.split("(")[0]
+    head = f"Exercise {key} (graded)"
+    flags, fail = _review(key, name, answer["events"], answer.get("recent"))
+    verdict = _cut_short(key, name, head, answer, timeout, flags) or _not_run(name, head, answer, fail, flags)
+    if verdict is not None:
+        return verdict
+    return _on_cases(key, ex, name, head, answer["events"], seed, flags)

@@ -227,6 +227,69 @@ optimum*. Read the chapter first; the exercises build on its results and notatio
 * Before you hand in: *Kernel, Restart Kernel and Run All Cells*, and check that every cell ran."""
 
 
+def _converter(book: Path, nb: dict):
+    """``(convert, docs)``: MyST to plain Markdown with the chapter's labels, the book's titles and references."""
+    from .myst import labels_of, read_bib, to_markdown
+
+    md = [_source(c) for c in nb["cells"] if c.get("cell_type") == "markdown"]
+    docs = _chapter_titles(book)
+    bib_file = book / "references.bib"
+    bib = read_bib(bib_file) if bib_file.is_file() else {}
+    labels = labels_of(md)
+
+    def convert(text):
+        return to_markdown(text, labels=labels, docs=docs, bib=bib)
+
+    return convert, docs
+
+
+def _opening_cells(chapter: str, title: str, setup: dict, hints: bool) -> List[dict]:
+    """The handout's title cell and the chapter's import cell, both locked."""
+    from nbformat.v4 import new_markdown_cell
+
+    lock = {"grade": False, "locked": True, "schema_version": 3, "solution": False, "task": False}
+    header = {"nbgrader": dict(lock, grade_id="handout-header")}
+    cells = [new_markdown_cell(_header(chapter, title, hints), id=f"handout-{chapter}"[:64], metadata=header)]
+    cells.append(_code_cell(setup, _source(setup)))
+    cells[-1]["metadata"]["nbgrader"] = dict(lock, grade_id="setup")
+    return cells
+
+
+def _graded_source(chapter: str, cell: dict, src: str, hints: bool) -> str:
+    """A graded cell's source: its visible check (without hints if ``hints=False``) and its hidden-test region."""
+    from .exercises import EXERCISES
+
+    grader = _nbgrader(cell)
+    m = _CHECK.search(src)
+    if not m or m["key"] not in EXERCISES:
+        raise ValueError(
+            f"chapter: the graded cell {grader.get('grade_id')!r} of {chapter!r} must call "
+            f'exercises.check("<key>", <function>) with a key of attnlib.course.exercises'
+        )
+    visible = src if hints else _CHECK.sub(lambda m: m[0][:-1].rstrip() + ", hints=False)", src)
+    return visible.rstrip() + "\n" + hidden_test(m["key"], m["fn"])
+
+
+def _exercise_cells(chapter: str, cells: List[dict], convert, hints: bool) -> List[dict]:
+    """The handout's cells of the exercise section ``cells``: book-only cells removed, MyST converted."""
+    from nbformat.v4 import new_markdown_cell
+
+    out = []
+    for cell in _book_only_removed(cells):
+        src = _source(cell)
+        grader = _nbgrader(cell)
+        if cell.get("cell_type") == "markdown":
+            text = convert(src)
+            if not text.strip() and not grader:
+                continue
+            out.append(new_markdown_cell(text, id=cell["id"], metadata=_clean_meta(cell)))
+        elif cell.get("cell_type") == "code":
+            if grader.get("grade"):
+                src = _graded_source(chapter, cell, src, hints)
+            out.append(_code_cell(cell, src))
+    return out
+
+
 def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerprint: Optional[str] = None) -> dict:
     """The nbgrader source notebook (an nbformat 4 ``NotebookNode``, validated) of ``chapter``'s exercise section.
 
@@ -239,11 +302,9 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
     ``exercises.check("<key>", <function>)``.
     """
     import nbformat
-    from nbformat.v4 import new_markdown_cell, new_notebook
+    from nbformat.v4 import new_notebook
 
     from . import BOOK_DIR
-    from .exercises import EXERCISES
-    from .myst import labels_of, read_bib, to_markdown
 
     book = Path(book_dir) if book_dir is not None else BOOK_DIR
     path = book / f"{chapter}.ipynb"
@@ -253,42 +314,9 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
     start = exercise_start(nb)
     if start is None:
         raise ValueError(f"chapter: {chapter!r} has no {EXERCISES_HEADING!r} section")
-    md = [_source(c) for c in nb["cells"] if c.get("cell_type") == "markdown"]
-    docs = _chapter_titles(book)
-    bib_file = book / "references.bib"
-    bib = read_bib(bib_file) if bib_file.is_file() else {}
-    labels = labels_of(md)
-
-    def convert(text):
-        return to_markdown(text, labels=labels, docs=docs, bib=bib)
-
-    title = docs.get(chapter, chapter)
-    setup = _setup_cell(nb, start, chapter)
-    lock = {"grade": False, "locked": True, "schema_version": 3, "solution": False, "task": False}
-    header = {"nbgrader": dict(lock, grade_id="handout-header")}
-    cells = [new_markdown_cell(_header(chapter, title, hints), id=f"handout-{chapter}"[:64], metadata=header)]
-    cells.append(_code_cell(setup, _source(setup)))
-    cells[-1]["metadata"]["nbgrader"] = dict(lock, grade_id="setup")
-
-    for cell in _book_only_removed(nb["cells"][start:]):
-        src = _source(cell)
-        grader = _nbgrader(cell)
-        if cell.get("cell_type") == "markdown":
-            text = convert(src)
-            if not text.strip() and not grader:
-                continue
-            cells.append(new_markdown_cell(text, id=cell["id"], metadata=_clean_meta(cell)))
-        elif cell.get("cell_type") == "code":
-            if grader.get("grade"):
-                m = _CHECK.search(src)
-                if not m or m["key"] not in EXERCISES:
-                    raise ValueError(
-                        f"chapter: the graded cell {grader.get('grade_id')!r} of {chapter!r} must call "
-                        f'exercises.check("<key>", <function>) with a key of attnlib.course.exercises'
-                    )
-                visible = src if hints else _CHECK.sub(lambda m: m[0][:-1].rstrip() + ", hints=False)", src)
-                src = visible.rstrip() + "\n" + hidden_test(m["key"], m["fn"])
-            cells.append(_code_cell(cell, src))
+    convert, docs = _converter(book, nb)
+    cells = _opening_cells(chapter, docs.get(chapter, chapter), _setup_cell(nb, start, chapter), hints)
+    cells += _exercise_cells(chapter, nb["cells"][start:], convert, hints)
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
     meta["attnlib"] = {"chapter": chapter, "release": fingerprint}
     out = new_notebook(cells=cells, metadata=meta)

@@ -286,9 +286,10 @@ def _install_traps(forbidden, report, state):
                 pass
 
 
-def _install_guard(report, state, sensitive, allowed):
-    """An audit hook that refuses what grading does not need (it cannot be removed), and reports it."""
-    refuse = {
+#: Audit events a worker refuses in every phase: processes, signals, the garbage collector's object lists,
+#: profilers and tracers, sockets, ctypes, mmap, and changing the working folder.
+_REFUSED_EVENTS = frozenset(
+    {
         "subprocess.Popen",
         "os.system",
         "os.exec",
@@ -317,16 +318,54 @@ def _install_guard(report, state, sensitive, allowed):
         "mmap.__new__",
         "os.chdir",
     }
-    frames = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
-    frame_events = {"sys._getframe", "sys._current_frames"}
-    sensitive, allowed = tuple(sensitive), tuple(allowed)  # nothing the student's code can change
+)
+#: The attributes (``object.__getattr__`` events) and the ``sys`` functions that reach the interpreter's frames.
+_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+_FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames"})
+
+
+def _open_check(sensitive, allowed):
+    """``check(args) -> (what, serious)`` for an ``open`` event; ``what`` is ``None`` for an open that is allowed.
+
+    Everything it uses is bound here, before any student code runs, so that
+    rebinding a module attribute later does not change it.
+    """
     startswith = str.startswith
     realpath = os.path.realpath
-    RuntimeErr = RuntimeError
     isinstance_ = isinstance
     strtype = str
     bytestype = bytes
     fsdecode = os.fsdecode
+
+    def check(args):
+        path, mode = args[0], args[1]
+        if isinstance_(path, int):
+            return None, True
+        if isinstance_(path, (strtype, bytestype)):
+            p = realpath(fsdecode(path))
+        else:
+            return None, True
+        writing = isinstance_(mode, strtype) and any(c in mode for c in "wax+")
+        flags = args[2] if len(args) > 2 and isinstance_(args[2], int) else 0
+        writing = writing or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if any(startswith(p, s) for s in sensitive):
+            return f"reading {p}", True
+        if writing:
+            return f"writing {p}", False
+        if not any(startswith(p, s) for s in allowed):
+            return f"reading {p}", False
+        return None, True
+
+    return check
+
+
+def _install_guard(report, state, sensitive, allowed):
+    """An audit hook that refuses what grading does not need (it cannot be removed), and reports it."""
+    refuse, frames, frame_events = _REFUSED_EVENTS, _FRAME_ATTRS, _FRAME_EVENTS
+    sensitive, allowed = tuple(sensitive), tuple(allowed)  # nothing the student's code can change
+    opened = _open_check(sensitive, allowed)
+    startswith = str.startswith
+    RuntimeErr = RuntimeError
 
     def hook(event, args):
         what = None
@@ -339,22 +378,7 @@ def _install_guard(report, state, sensitive, allowed):
                 report({"blocked": what, "serious": False, "allowed": True, "phase": state["phase"]})
                 return
         elif event == "open":
-            path, mode = args[0], args[1]
-            if isinstance_(path, int):
-                return
-            if isinstance_(path, (strtype, bytestype)):
-                p = realpath(fsdecode(path))
-            else:
-                return
-            writing = isinstance_(mode, strtype) and any(c in mode for c in "wax+")
-            flags = args[2] if len(args) > 2 and isinstance_(args[2], int) else 0
-            writing = writing or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if any(startswith(p, s) for s in sensitive):
-                what = f"reading {p}"
-            elif writing:
-                what, serious = f"writing {p}", False
-            elif not any(startswith(p, s) for s in allowed):
-                what, serious = f"reading {p}", False
+            what, serious = opened(args)
         if what is None:
             return
         report({"blocked": what, "serious": serious, "phase": state["phase"]})
@@ -381,14 +405,10 @@ def _describe(exc) -> str:
     return f"{name}: {msg}" if msg else name
 
 
-def _worker(job, fd):
-    """The forked child: run the setup and the student's cells, call the function on the cases, report, exit."""
-    import builtins
-
+def _reporter(fd):
+    """``report(obj)``: one JSON line to the pipe ``fd``, with the functions it needs bound now."""
     write = os.write
     dumps = json.dumps
-    exit_ = os._exit
-    state = {"phase": "setup"}
 
     def report(obj):
         try:
@@ -396,24 +416,33 @@ def _worker(job, fd):
         except BaseException:  # noqa: BLE001
             pass
 
-    ns = {"__name__": "__main__", "__builtins__": builtins}
+    return report
+
+
+def _run_setup(setup, ns, report) -> bool:
+    """Run the handout's own import cell in ``ns``; ``False`` (and the error reported) if it failed."""
     try:
-        exec(compile(job["setup"], "<setup cell>", "exec"), ns)  # noqa: S102 - the handout's own cell
+        exec(compile(setup, "<setup cell>", "exec"), ns)  # noqa: S102 - the handout's own cell
     except BaseException as exc:  # noqa: BLE001
         report({"setup_error": _describe(exc)})
-        exit_(0)
-    try:  # the visible checks do not run when grading (they would call the references)
+        return False
+    return True
+
+
+def _silence_checks():
+    """The visible checks do not run when grading (they would call the references)."""
+    try:
         from attnlib.course import exercises
 
         exercises.check = lambda *a, **k: None
         exercises.solved = lambda *a, **k: False
     except Exception:  # noqa: BLE001
         pass
-    _install_traps(job["forbidden"], report, state)
-    _install_guard(report, state, job["sensitive"], job["allowed"])
-    own = _refs()
-    is_own = is_own_object
-    for name, src in job["cells"]:
+
+
+def _run_cells(cells, ns, report, state):
+    """Run the student's cells ``[(name, source)]`` in ``ns``, each in its own ``try``, reporting each."""
+    for name, src in cells:
         state["phase"] = f"cell {name}"
         report({"cell": name, "start": True})
         try:
@@ -423,11 +452,11 @@ def _worker(job, fd):
             report({"cell": name, "error": "SystemExit", "exit": True})
         except BaseException as exc:  # noqa: BLE001
             report({"cell": name, "error": _describe(exc)})
-    fn = ns.get(job["fn"])
-    if fn is None or not callable(fn):
-        report({"missing": own["type"](fn).__name__ if fn is not None else None})
-        exit_(0)
-    for i, enc in enumerate(job["cases"]):
+
+
+def _run_cases(fn, cases, report, state, is_own):
+    """Call ``fn`` on every encoded case and report its result as plain data (or what it raised)."""
+    for i, enc in enumerate(cases):
         args = tuple(decode(a) for a in enc)
         state["phase"] = f"hidden case {i + 1}"
         report({"case": i, "start": True})
@@ -447,6 +476,35 @@ def _worker(job, fd):
             report({"case": i, "raised": "SystemExit", "exit": True})
         except BaseException as exc:  # noqa: BLE001
             report({"case": i, "raised": _describe(exc)})
+
+
+def _worker(job, fd):
+    """The forked child: run the setup and the student's cells, call the function on the cases, report, exit.
+
+    The traps and the audit hook are installed after the handout's setup cell
+    and before the student's first cell; everything used after the student's
+    cells ran (``own``, ``is_own``, ``run_cases``) is bound before they run.
+    """
+    import builtins
+
+    exit_ = os._exit
+    state = {"phase": "setup"}
+    report = _reporter(fd)
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    if not _run_setup(job["setup"], ns, report):
+        exit_(0)
+    _silence_checks()
+    _install_traps(job["forbidden"], report, state)
+    _install_guard(report, state, job["sensitive"], job["allowed"])
+    own = _refs()
+    is_own = is_own_object
+    run_cases = _run_cases
+    _run_cells(job["cells"], ns, report, state)
+    fn = ns.get(job["fn"])
+    if fn is None or not callable(fn):
+        report({"missing": own["type"](fn).__name__ if fn is not None else None})
+        exit_(0)
+    run_cases(fn, job["cases"], report, state, is_own)
     state["phase"] = "end"
     report({"end": True})
     exit_(0)
@@ -493,11 +551,88 @@ def _limit_memory(extra: int) -> None:
         pass
 
 
+def _start_worker(job, r, w):
+    """In the forked child: its own process group, no terminal, the job's folder, the memory cap; never returns."""
+    try:
+        os.close(r)
+        os.setpgid(0, 0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.chdir(job["cwd"])
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        _limit_memory(job.get("memory", 4 << 30))
+        _worker(job, w)
+    finally:
+        os._exit(0)
+
+
+def _read_reports(r, deadline):
+    """What the worker writes to the pipe ``r`` until it closes it or ``deadline`` passes: ``(bytes, timed_out)``."""
+    import select
+    import time
+
+    buf = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return buf, True
+        ready, _, _ = select.select([r], [], [], min(left, 1.0))
+        if ready:
+            chunk = os.read(r, 65536)
+            if not chunk:
+                return buf, False
+            if len(buf) < _MAX_OUTPUT:
+                buf += chunk
+
+
+def _reap(pid, timed_out):
+    """Kill a worker that ran out of time, wait for it and kill what else it started; its wait status."""
+    import signal
+
+    if timed_out:
+        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except OSError:
+                pass
+    _, status = os.waitpid(pid, 0)
+    try:  # anything else the worker started in its group
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    return status
+
+
+def _run_job(line):
+    """Fork a worker for the job on ``line`` (JSON), collect its reports, reap it; the zygote's answer."""
+    import time
+
+    job = json.loads(line)
+    r, w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        _start_worker(job, r, w)
+    os.close(w)
+    del job
+    buf, timed_out = _read_reports(r, t0 + float(json.loads(line)["timeout"]))
+    status = _reap(pid, timed_out)
+    os.close(r)
+    return {
+        "lines": buf.decode("utf-8", "replace").splitlines(),
+        "timed_out": timed_out,
+        "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+        "seconds": time.monotonic() - t0,
+    }
+
+
 def _serve():
     """The zygote: read one job per line on stdin, fork a worker for it, answer one line on stdout."""
-    import select
-    import signal
-    import time
+    import select  # noqa: F401 - imported before the first fork: every worker starts with the same modules
+    import signal  # noqa: F401
+    import time  # noqa: F401
 
     _preimport()
     out = sys.stdout
@@ -505,58 +640,7 @@ def _serve():
     for line in sys.stdin:
         if not line.strip():
             continue
-        job = json.loads(line)
-        r, w = os.pipe()
-        t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the worker
-            try:
-                os.close(r)
-                os.setpgid(0, 0)
-                null = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(null, fd)
-                os.chdir(job["cwd"])
-                sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
-                _limit_memory(job.get("memory", 4 << 30))
-                _worker(job, w)
-            finally:
-                os._exit(0)
-        os.close(w)
-        del job
-        buf, deadline, timed_out = b"", t0 + float(json.loads(line)["timeout"]), False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            ready, _, _ = select.select([r], [], [], min(left, 1.0))
-            if ready:
-                chunk = os.read(r, 65536)
-                if not chunk:
-                    break
-                if len(buf) < _MAX_OUTPUT:
-                    buf += chunk
-        if timed_out:
-            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except OSError:
-                    pass
-        _, status = os.waitpid(pid, 0)
-        try:  # anything else the worker started in its group
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        os.close(r)
-        answer = {
-            "lines": buf.decode("utf-8", "replace").splitlines(),
-            "timed_out": timed_out,
-            "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-            "seconds": time.monotonic() - t0,
-        }
-        print(json.dumps(answer), file=out, flush=True)
+        print(json.dumps(_run_job(line)), file=out, flush=True)
 
 
 # ----------------------------------------------------------------------------- the instructor's side

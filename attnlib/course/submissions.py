@@ -105,6 +105,75 @@ def _check_identity(path: Path, nb: dict, chapter: str, fingerprint: Optional[st
         )
 
 
+def _check_chapter(path: Path, nb: dict, chapter: str, release: dict, handouts) -> None:
+    """Reject a notebook that has none of the handout's graded cells (naming its chapter when it is another's)."""
+    mine = set(nbgrader_ids(release))
+    present = set(nbgrader_ids(nb))
+    if not present & mine:
+        other = chapter_of(nb, {k: v for k, v in handouts.items() if k != chapter})
+        if other is not None:
+            raise SubmissionError(f"{path}: this is the notebook of {other}, not of {chapter} (by its cell ids)")
+        raise SubmissionError(
+            f"{path}: none of the cells of the {chapter} handout is in this notebook; "
+            f"was it made from the released {chapter}.ipynb?"
+        )
+
+
+def _put_back(release_cells: List[dict], pos: int, cells: List[dict], by_id: Dict[str, dict]) -> None:
+    """Insert a copy of the handout's cell ``pos`` after the closest preceding handout cell still present."""
+    at = 0
+    for prev in reversed(release_cells[:pos]):
+        pid = _nbgrader(prev).get("grade_id")
+        if pid in by_id:
+            at = next(i for i, c in enumerate(cells) if c is by_id[pid]) + 1
+            break
+    rcell = release_cells[pos]
+    restored = json.loads(json.dumps(rcell))
+    cells.insert(at, restored)
+    by_id[_nbgrader(rcell)["grade_id"]] = restored
+
+
+def _deleted(meta: dict, gid: str) -> str:
+    """The problem line of the handout's cell ``gid`` (nbgrader metadata ``meta``) deleted from a submission."""
+    if meta.get("solution") and not meta.get("grade"):
+        return f"the solution cell {gid} was deleted; its exercise earns no points"
+    if meta.get("solution"):  # a written answer
+        return f"the answer cell {gid} was deleted; it was put back empty"
+    kind = "graded cell" if meta.get("grade") else "locked cell"
+    return f"the {kind} {gid} was deleted; it was put back from the handout"
+
+
+def _repair(nb: dict, release: dict) -> List[str]:
+    """Put deleted graded cells of ``nb`` back and restore its edited locked cells from ``release``; the problems."""
+    problems: List[str] = []
+    by_id = {}
+    for cell in nb["cells"]:
+        gid = _nbgrader(cell).get("grade_id")
+        if gid and gid not in by_id:
+            by_id[gid] = cell
+    cells = list(nb["cells"])
+    for pos, rcell in enumerate(release["cells"]):
+        meta = _nbgrader(rcell)
+        gid = meta.get("grade_id")
+        if not gid:
+            continue
+        cell = by_id.get(gid)
+        if cell is None:
+            if not (meta.get("solution") and not meta.get("grade")):  # a deleted solution cell is not put back
+                _put_back(release["cells"], pos, cells, by_id)
+            problems.append(_deleted(meta, gid))
+            continue
+        if meta.get("locked") and (
+            _source(cell).strip() != _source(rcell).strip() or cell.get("cell_type") != rcell.get("cell_type")
+        ):
+            kind = "graded cell" if meta.get("grade") else "locked cell"
+            problems.append(f"the {kind} {gid} was edited; it is graded with its original source")
+            cell.clear()
+            cell.update(json.loads(json.dumps(rcell)))
+    nb["cells"] = cells
+    return problems
+
+
 def inspect_submission(
     path, chapter: str, release: dict, handouts: Dict[str, Tuple[set, set]], fingerprint: Optional[str] = None
 ):
@@ -124,61 +193,8 @@ def inspect_submission(
         raise SubmissionError(f"{path}: is a symbolic link; submit the notebook file itself")
     nb = _load(path)
     _check_identity(path, nb, chapter, fingerprint, handouts)
-    mine = set(nbgrader_ids(release))
-    present = set(nbgrader_ids(nb))
-    if not present & mine:
-        other = chapter_of(nb, {k: v for k, v in handouts.items() if k != chapter})
-        if other is not None:
-            raise SubmissionError(f"{path}: this is the notebook of {other}, not of {chapter} (by its cell ids)")
-        raise SubmissionError(
-            f"{path}: none of the cells of the {chapter} handout is in this notebook; "
-            f"was it made from the released {chapter}.ipynb?"
-        )
-    problems: List[str] = []
-    by_id = {}
-    for cell in nb["cells"]:
-        gid = _nbgrader(cell).get("grade_id")
-        if gid and gid not in by_id:
-            by_id[gid] = cell
-    cells = list(nb["cells"])
-
-    def put_back(pos, rcell):
-        """Insert a copy of the handout's cell after the closest preceding handout cell still present."""
-        at = 0
-        for prev in reversed(release["cells"][:pos]):
-            pid = _nbgrader(prev).get("grade_id")
-            if pid in by_id:
-                at = next(i for i, c in enumerate(cells) if c is by_id[pid]) + 1
-                break
-        restored = json.loads(json.dumps(rcell))
-        cells.insert(at, restored)
-        by_id[_nbgrader(rcell)["grade_id"]] = restored
-
-    for pos, rcell in enumerate(release["cells"]):
-        meta = _nbgrader(rcell)
-        gid = meta.get("grade_id")
-        if not gid:
-            continue
-        cell = by_id.get(gid)
-        if cell is None:
-            if meta.get("solution") and not meta.get("grade"):
-                problems.append(f"the solution cell {gid} was deleted; its exercise earns no points")
-                continue
-            put_back(pos, rcell)
-            if meta.get("solution"):  # a written answer
-                problems.append(f"the answer cell {gid} was deleted; it was put back empty")
-            else:
-                kind = "graded cell" if meta.get("grade") else "locked cell"
-                problems.append(f"the {kind} {gid} was deleted; it was put back from the handout")
-            continue
-        if meta.get("locked") and (
-            _source(cell).strip() != _source(rcell).strip() or cell.get("cell_type") != rcell.get("cell_type")
-        ):
-            kind = "graded cell" if meta.get("grade") else "locked cell"
-            problems.append(f"the {kind} {gid} was edited; it is graded with its original source")
-            cell.clear()
-            cell.update(json.loads(json.dumps(rcell)))
-    nb["cells"] = cells
+    _check_chapter(path, nb, chapter, release, handouts)
+    problems = _repair(nb, release)
     return nb, problems
 
 
@@ -216,20 +232,12 @@ def _dotted(node) -> str:
         return "?"
 
 
-def suspicious_code(nb: dict) -> List[str]:
-    """Lines of the student's own code cells that change modules or the interpreter, for review.
+def _parse_cells(nb: dict):
+    """``(trees, modules, handout_names)`` of the notebook's code cells that parse.
 
-    Module names are the names bound by ``import`` anywhere in the notebook.
-    Reported: assignments to (or deletion of) attributes of modules
-    (``exercises.check = ...``, ``al.to_factor = ...``, ``torch.allclose = ...``),
-    calls of ``setattr``, ``exec``, ``eval``, ``get_ipython`` and the like,
-    imports of ``builtins``, ``gc``, ``ctypes``, ``sys``, ``inspect``,
-    ``importlib``, IPython, ``subprocess``, threads, signals or sockets,
-    ``sys.setprofile``/``settrace``/``modules``, and top-level rebinding of a
-    name that the handout's locked cells or Python's builtins define
-    (``np = ...``, ``def float(x): ...``).
-    Locked cells (the handout's own) are skipped; cells that do not parse
-    are skipped (their error is reported by grading).
+    ``trees`` are ``(name, tree)`` of the student's own cells, ``modules`` the
+    names bound by ``import`` in any cell, ``handout_names`` the names the
+    locked cells assign at their top level.
     """
     trees = []
     modules, handout_names = set(), set()
@@ -253,40 +261,72 @@ def suspicious_code(nb: dict) -> List[str]:
             for node in tree.body:
                 if isinstance(node, ast.Assign):
                     handout_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return trees, modules, handout_names
+
+
+def _rebindings(name: str, tree, handout_names) -> List[str]:
+    """Lines of the cell ``name`` that rebind, at its top level, a name the handout (or Python) defines."""
+    out = []
+    for node in tree.body:
+        bound = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound = [t.id for t in targets if isinstance(t, ast.Name)]
+        for b in bound:
+            if b in handout_names and not b.startswith("__"):
+                out.append(f"{name}, line {node.lineno}: rebinds {b}, a name of the handout or of Python")
+    return out
+
+
+def _tampering(node, modules) -> Optional[str]:
+    """What the AST ``node`` does to modules or the interpreter (``"assigns to al.x"``, ...), or ``None``."""
+    what = None
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        targets = list(node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
+        while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        for t in targets:
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and _root(t) in modules:
+                verb = "deletes" if isinstance(node, ast.Delete) else "assigns to"
+                what = f"{verb} {_dotted(t)}"
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
+        what = f"calls {node.func.id}()"
+    elif isinstance(node, _MODULE_IMPORTS):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        bad = [n for n in names if n.split(".")[0] in _MODULES]
+        if bad:
+            what = f"imports {', '.join(bad)}"
+    elif isinstance(node, ast.Attribute) and _root(node) == "sys" and node.attr in _SYS_ATTRS:
+        what = f"uses sys.{node.attr}"
+    return what
+
+
+def suspicious_code(nb: dict) -> List[str]:
+    """Lines of the student's own code cells that change modules or the interpreter, for review.
+
+    Module names are the names bound by ``import`` anywhere in the notebook.
+    Reported: assignments to (or deletion of) attributes of modules
+    (``exercises.check = ...``, ``al.to_factor = ...``, ``torch.allclose = ...``),
+    calls of ``setattr``, ``exec``, ``eval``, ``get_ipython`` and the like,
+    imports of ``builtins``, ``gc``, ``ctypes``, ``sys``, ``inspect``,
+    ``importlib``, IPython, ``subprocess``, threads, signals or sockets,
+    ``sys.setprofile``/``settrace``/``modules``, and top-level rebinding of a
+    name that the handout's locked cells or Python's builtins define
+    (``np = ...``, ``def float(x): ...``).
+    Locked cells (the handout's own) are skipped; cells that do not parse
+    are skipped (their error is reported by grading).
+    """
     import builtins
 
+    trees, modules, handout_names = _parse_cells(nb)
     handout_names |= modules | set(dir(builtins))
     out = []
     for name, tree in trees:
-        for node in tree.body:  # the names the handout (or Python) defines, rebound by the student
-            bound = []
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound = [node.name]
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                bound = [t.id for t in targets if isinstance(t, ast.Name)]
-            for b in bound:
-                if b in handout_names and not b.startswith("__"):
-                    out.append(f"{name}, line {node.lineno}: rebinds {b}, a name of the handout or of Python")
+        out += _rebindings(name, tree, handout_names)  # the names the handout (or Python) defines, rebound
         for node in ast.walk(tree):
-            what = None
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
-                targets = list(node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
-                while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
-                    targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
-                for t in targets:
-                    if isinstance(t, (ast.Attribute, ast.Subscript)) and _root(t) in modules:
-                        verb = "deletes" if isinstance(node, ast.Delete) else "assigns to"
-                        what = f"{verb} {_dotted(t)}"
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
-                what = f"calls {node.func.id}()"
-            elif isinstance(node, _MODULE_IMPORTS):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                bad = [n for n in names if n.split(".")[0] in _MODULES]
-                if bad:
-                    what = f"imports {', '.join(bad)}"
-            elif isinstance(node, ast.Attribute) and _root(node) == "sys" and node.attr in _SYS_ATTRS:
-                what = f"uses sys.{node.attr}"
+            what = _tampering(node, modules)
             if what is not None:
                 entry = f"{name}, line {getattr(node, 'lineno', '?')}: {what}"
                 if entry not in out:
