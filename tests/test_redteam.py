@@ -36,6 +36,12 @@ def _solutions():
 ZERO = "def my_attention(A, B, X):\n    return torch.zeros(X.shape[0], A.shape[0], dtype=X.dtype)\n"
 VISIBLE = None  # filled in by the fixture: the visible cases' expected values of 1.1
 
+#: Run the library's source (read by an attack) as the student's own code: relative imports made absolute.
+SRC_EXEC = (
+    "src = src.replace('from ..', 'from attnlib.').replace('from .', 'from attnlib.model.')\n"
+    "exec(src.replace('def attention_reference', 'def my_attention'))\n"
+)
+
 #: Attacks on exercise 1.1, by category of the issue: the source of the student's ex1-1 solution cell.
 ATTACKS = {
     # namespace shadowing of the grader's helpers and of builtins, with a wrong answer
@@ -58,6 +64,15 @@ ATTACKS = {
     "read_source": "import sys\nsrc = open(sys.modules['attnlib.model.layer'].__file__).read()\n"
     "exec(src.replace('def attention_reference', 'def my_attention'))\n",
     "read_course": "import json\nSRC = json.load(open({source!r}))\n" + ZERO,
+    # ... by making the audit hook's own checks lie (builtins, posixpath's helpers) or with a path object
+    "read_source_any": "import builtins, sys\n_any, calls = builtins.any, [0]\ndef fake(it):\n    calls[0] += 1\n"
+    "    return _any(it) if calls[0] % 3 == 1 else calls[0] % 3 == 0\nbuiltins.any = fake\n"
+    "src = open(sys.modules['attnlib.model.layer'].__file__).read()\nbuiltins.any = _any\n" + SRC_EXEC,
+    "read_source_realpath": "import posixpath, sys\n_j = posixpath._joinrealpath\n"
+    "posixpath._joinrealpath = lambda *a, **k: (sys.prefix, True)\n"
+    "src = open(sys.modules['attnlib.model.layer'].__file__).read()\nposixpath._joinrealpath = _j\n" + SRC_EXEC,
+    "read_source_fileio": "import io, pathlib, sys\n"
+    "src = io.FileIO(pathlib.Path(sys.modules['attnlib.model.layer'].__file__)).read().decode()\n" + SRC_EXEC,
     "subprocess": "import subprocess, sys\ndef my_attention(A, B, X):\n    subprocess.run([sys.executable, '-c', "
     "'print(1)'])\n    return A\n",
     "kill_grader": "import os\nos.kill(os.getppid(), 9)\n" + ZERO,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 
 __all__ = ["ExerciseError", "encode", "decode", "plain", "Sandbox", "VISIBLE_SEED"]
@@ -324,35 +325,79 @@ _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 _FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames"})
 
 
+def _bound_realpath():
+    """``realpath(str) -> str`` from ``os.lstat``/``os.readlink`` bound now.
+
+    ``os.path.realpath`` is Python code that looks up its helpers (``posixpath._joinrealpath``) when
+    it runs, so a student's cell could make it lie; this one uses only what it binds here and the
+    methods of ``str`` and ``list`` (immutable types).
+    """
+    lstat, readlink, getcwd, is_link = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
+    split, join, startswith = str.split, str.join, str.startswith
+    OSErr = OSError
+
+    def realpath(path):
+        if not startswith(path, "/"):
+            path = getcwd() + "/" + path
+        todo, done, links = [p for p in split(path, "/") if p][::-1], [], 0
+        while todo:
+            part = todo.pop()
+            if part == "." or (part == ".." and not done):
+                continue
+            if part == "..":
+                done.pop()
+                continue
+            here = "/" + join("/", done + [part])
+            try:
+                link = is_link(lstat(here).st_mode)
+            except OSErr:  # does not exist (yet): keep the name
+                link = False
+            links += 1 if link else 0
+            if not link or links > 40:
+                done.append(part)
+                continue
+            target = readlink(here)
+            if startswith(target, "/"):
+                done = []
+            todo.extend([p for p in split(target, "/") if p][::-1])
+        return "/" + join("/", done)
+
+    return realpath
+
+
 def _open_check(sensitive, allowed):
     """``check(args) -> (what, serious)`` for an ``open`` event; ``what`` is ``None`` for an open that is allowed.
 
-    Everything it uses is bound here, before any student code runs, so that
-    rebinding a module attribute later does not change it.
+    Everything it uses is bound here, before any student code runs, so that rebinding a builtin or a
+    module attribute later (``builtins.any``, ``os.O_WRONLY``, ``posixpath``'s helpers, ``os.fsdecode``)
+    does not change it. A path that is neither ``str``, ``bytes`` nor a file descriptor (a path-like
+    object handed to ``io.FileIO``, whose ``__fspath__`` could answer differently the second time) is refused.
     """
     startswith = str.startswith
-    realpath = os.path.realpath
-    isinstance_ = isinstance
-    strtype = str
-    bytestype = bytes
-    fsdecode = os.fsdecode
+    realpath = _bound_realpath()
+    isinstance_, any_, len_, bool_, type_ = isinstance, any, len, bool, type
+    strtype, bytestype, inttype = str, bytes, int
+    decode = bytes.decode
+    encoding = sys.getfilesystemencoding()
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 
     def check(args):
         path, mode = args[0], args[1]
-        if isinstance_(path, int):
+        if isinstance_(path, inttype):
             return None, True
-        if isinstance_(path, (strtype, bytestype)):
-            p = realpath(fsdecode(path))
-        else:
-            return None, True
-        writing = isinstance_(mode, strtype) and any(c in mode for c in "wax+")
-        flags = args[2] if len(args) > 2 and isinstance_(args[2], int) else 0
-        writing = writing or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        if any(startswith(p, s) for s in sensitive):
+        if isinstance_(path, bytestype):
+            path = decode(path, encoding, "surrogateescape")
+        if not isinstance_(path, strtype):
+            return f"opening a {type_(path).__name__} object (not a path string)", True
+        p = realpath(path)
+        writing = isinstance_(mode, strtype) and any_(c in mode for c in "wax+")
+        flags = args[2] if len_(args) > 2 and isinstance_(args[2], inttype) else 0
+        writing = writing or bool_(flags & write_flags)
+        if any_(startswith(p, s) for s in sensitive):
             return f"reading {p}", True
         if writing:
             return f"writing {p}", False
-        if not any(startswith(p, s) for s in allowed):
+        if not any_(startswith(p, s) for s in allowed):
             return f"reading {p}", False
         return None, True
 
@@ -365,14 +410,14 @@ def _install_guard(report, state, sensitive, allowed):
     sensitive, allowed = tuple(sensitive), tuple(allowed)  # nothing the student's code can change
     opened = _open_check(sensitive, allowed)
     startswith = str.startswith
-    RuntimeErr = RuntimeError
+    RuntimeErr, len_ = RuntimeError, len
 
     def hook(event, args):
         what = None
         serious = True
         if event in refuse:
             what = event
-        elif event in frame_events or event == "object.__getattr__" and len(args) > 1 and args[1] in frames:
+        elif event in frame_events or event == "object.__getattr__" and len_(args) > 1 and args[1] in frames:
             what = f"the interpreter's frames ({event if event in frame_events else args[1]})"
             if not startswith(state["phase"], "hidden case"):  # a namedtuple, logging, a traceback at top level
                 report({"blocked": what, "serious": False, "allowed": True, "phase": state["phase"]})
