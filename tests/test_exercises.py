@@ -392,3 +392,15 @@ def test_the_p_norm_rescaling_of_exercise_4_1():
     one_sided = lambda dA, dB, S: torch.sqrt((dA @ _sqrtm(S)).square().sum() + (dB.T @ _sqrtm(S)).square().sum())
     with pytest.raises(ExerciseError):
         check("4.1", one_sided)
+
+
+def test_a_failed_import_cell_is_named_as_such():
+    """A worker whose handout import cell failed ends early, without an ``end`` report: the verdict says the
+    import cell failed (not that the student's code ended the process)."""
+    from attnlib.course.exercises import judge
+
+    answer = {"events": [{"setup_error": "ImportError: cannot import name 'x'"}], "exit": 0}
+    v = judge("1.1", answer, 0, 10.0)
+    assert not v.passed and "the handout's import cell failed when graded (ImportError" in v.message, v
+    crashed = judge("1.1", {"events": [{"start": True, "case": 0}], "exit": 0}, 0, 10.0)
+    assert "ended the grading process" in crashed.message, crashed

@@ -714,8 +714,9 @@ def _review(key: str, name: str, events, recent):
 def _cut_short(key: str, name: str, head: str, answer: dict, timeout: float, flags) -> Verdict | None:
     """The verdict on a worker that timed out or ended before its last report (``None`` if it did not)."""
     events = answer["events"]
-    if not (answer.get("timed_out") or not any("end" in e for e in events) and _last(events, "missing") is None):
-        return None
+    ended_early = not any("end" in e for e in events) and _last(events, "missing") is None
+    if not (answer.get("timed_out") or ended_early and _last(events, "setup_error") is None):
+        return None  # (a failed import cell also ends the worker early: _not_run says so)
     started = [e for e in events if e.get("start")]
     last = started[-1] if started else None
     fatal = None
