@@ -23,12 +23,14 @@ Functions that need the covariance accept either a matrix ``Sigma`` or a
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
 from ._validate import check_matrix, check_nonneg_float, check_spd
 from .linalg import numerical_rank, polar_factor, sym_inv_sqrt, sym_sqrt
+from .model.finite_n import softmax_scale
 from .model.task import SigmaLike, Task
 from .rng import make_generator
 
@@ -47,6 +49,8 @@ __all__ = [
     "RENORMALIZATIONS",
     "orbit_distance",
     "perturb",
+    "apply_symmetry",
+    "orbit_to_scale",
     "SigmaLike",
 ]
 
@@ -310,6 +314,44 @@ def orbit_distance(A, B, A_ref, B_ref, Sigma: SigmaLike) -> float:
     U, _, Vh = torch.linalg.svd(N)
     O = Vh.T @ U.T
     return float(torch.sqrt(torch.sum((At - Ar @ O) ** 2) + torch.sum((C - O.T @ Cr) ** 2)))
+
+
+def apply_symmetry(A, B, G, Sigma: SigmaLike) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Apply ``(At, C) -> (At G, G^{-1} C)`` and return the new ``(A, B)``.
+
+    The population loss is unchanged for every invertible ``G``; the finite-n
+    loss is not, not even for orthogonal ``G`` (see :func:`attnlib.analysis.landscape.score_moments`).
+    """
+    At, C = to_factor(A, B, Sigma)
+    G = check_matrix(G, "G", (At.shape[1], At.shape[1])).to(At)
+    try:
+        Ginv = torch.linalg.inv(G)
+    except RuntimeError as exc:
+        raise ValueError("G: expected an invertible matrix") from exc
+    return from_factor(At @ G, Ginv @ C, Sigma)
+
+
+def orbit_to_scale(A, B, Sigma: SigmaLike, nu: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""The point ``(gamma A, B / gamma)`` of the orbit ``(gamma At, C / gamma)`` whose softmax scale is ``nu``.
+
+    ``gamma = sqrt(softmax_scale(A, B, Sigma) / nu)``. The limit map ``A Sigma B^T``
+    and hence the population loss are the same at every point of the orbit;
+    ``lambda_max(C^T C)`` scales like ``1 / gamma^2``. (Unlike the ``"fix"`` renormalization it does
+    not balance first.)
+    """
+    R = _Roots(Sigma)
+    A, B = _params(A, B, R.d, ref=R.S)
+    try:
+        nu = float(nu)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"nu: expected a positive number, got {nu!r}") from exc
+    if not (math.isfinite(nu) and nu > 0):
+        raise ValueError(f"nu: expected a finite positive number, got {nu!r}")
+    current = softmax_scale(A, B, R.S)
+    if current == 0:
+        raise ValueError("B: the softmax scale is zero (B = 0); no point of the orbit has a positive scale")
+    gamma = math.sqrt(current / nu)
+    return gamma * A, B / gamma
 
 
 def perturb(

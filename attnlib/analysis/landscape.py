@@ -4,7 +4,7 @@ Work in the coordinates ``(At, C)`` of :mod:`attnlib.geometry`, where the excess
 population loss is ``f(At, C) = 1/2 ||At C - T||_F^2``.
 
 * Symmetry: ``(At, C) -> (At G, G^{-1} C)`` for invertible ``G`` leaves ``At C``
-  and hence the population loss ``L`` unchanged (:func:`apply_symmetry`). It is
+  and hence the population loss ``L`` unchanged (:func:`attnlib.geometry.apply_symmetry`). It is
   *not* a symmetry of the finite-n loss, not even for orthogonal ``G = O``: in
   whitened tokens ``z = Sigma^{-1/2} x`` the score ``x_i^T B x_j`` is ``z_i^T C^T z_j``
   and becomes ``z_i^T C^T O z_j``. For ``j != i`` the scores and values a query
@@ -46,7 +46,6 @@ from ..model.task import Task, as_covariance
 from ..rng import derive_seed, make_generator
 
 __all__ = [
-    "apply_symmetry",
     "score_moments",
     "paired_loss_difference",
     "stationary_point",
@@ -59,21 +58,6 @@ __all__ = [
     "sample_one_point_ratios",
     "orbit_tangent_part",
 ]
-
-
-def apply_symmetry(A, B, G, Sigma: SigmaLike) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Apply ``(At, C) -> (At G, G^{-1} C)`` and return the new ``(A, B)``.
-
-    The population loss is unchanged for every invertible ``G``; the finite-n
-    loss is not, not even for orthogonal ``G`` (see :func:`score_moments`).
-    """
-    At, C = to_factor(A, B, Sigma)
-    G = check_matrix(G, "G", (At.shape[1], At.shape[1])).to(At)
-    try:
-        Ginv = torch.linalg.inv(G)
-    except RuntimeError as exc:
-        raise ValueError("G: expected an invertible matrix") from exc
-    return from_factor(At @ G, Ginv @ C, Sigma)
 
 
 def score_moments(B, Sigma: SigmaLike) -> dict:

@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from ..analysis.stats import ExponentFit, excess_ustat, fit_exponent, ustat_exponent
-from ..geometry import distance_to_manifold, orbit_distance, random_manifold_point
-from ..model.finite_n import heldout_loss, orbit_to_scale, query_averaged_error, softmax_scale
+from ..geometry import distance_to_manifold, orbit_distance, orbit_to_scale, random_manifold_point
+from ..model.finite_n import heldout_loss, query_averaged_error, softmax_scale
 from ..model.task import Task
 from ..optim import ChainConfig, Snapshots, run_chain, train, train_prompts
 from ..optim.grid import grid_search

@@ -33,7 +33,6 @@ __all__ = [
     "softmax_scale",
     "averaged_error_constant",
     "averaged_error_exponent",
-    "orbit_to_scale",
     "query_averaged_error",
     "self_token_errors",
     "self_token_term",
@@ -213,28 +212,6 @@ def averaged_error_exponent(A, B, Sigma: SigmaLike) -> Tuple[float, float]:
     if nu <= HEAVY_TAIL_THRESHOLD:
         return -1.0, -1.0
     return -min(1.0, 0.5 + 0.25 / nu), -min(1.0, 0.5 / nu)
-
-
-def orbit_to_scale(A, B, Sigma: SigmaLike, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""The point ``(t A, B / t)`` of the orbit ``(At, C) -> (t At, C / t)`` whose softmax scale is ``scale``.
-
-    ``t = sqrt(softmax_scale(A, B, Sigma) / scale)``. The limit map ``A Sigma B^T``
-    and hence the population loss are the same at every point of the orbit;
-    ``lambda_max(C^T C)`` scales like ``1 / t^2``.
-    """
-    Sigma = as_covariance(Sigma)
-    A, B = _layer_params(A, B, Sigma)
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"scale: expected a positive number, got {scale!r}") from exc
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite positive number, got {scale!r}")
-    current = softmax_scale(A, B, Sigma)
-    if current == 0:
-        raise ValueError("B: the softmax scale is zero (B = 0); no point of the orbit has a positive scale")
-    t = math.sqrt(current / scale)
-    return t * A, B / t
 
 
 def _chunks(m: int, n: int):
