@@ -45,8 +45,19 @@ __all__ = ["SequenceMap", "FixedPoint", "fixed_point", "Spectrum", "spectrum", "
 class IteratedMap:
     """What every map ``G`` of this module shares: its Jacobian and its iterates.
 
-    A subclass defines ``__call__(v, create_graph=None)`` on packed coordinates ``v``.
+    A subclass defines ``__call__(v, create_graph=None)`` on packed coordinates ``v`` (``k d + d^2``
+    entries: ``At`` (k x d) then ``C`` (d x d), with ``self.k`` and ``self.d``).
     """
+
+    def unpack(self, v):
+        """``(At, C)`` of the packed ``v``."""
+        k, d = self.k, self.d
+        return v[: k * d].reshape(k, d), v[k * d :].reshape(d, d)
+
+    @staticmethod
+    def pack(At, C):
+        """The packed ``v`` of ``(At, C)``."""
+        return torch.cat([At.reshape(-1), C.reshape(-1)])
 
     def jacobian(self, v) -> torch.Tensor:
         """``dG/dv`` at ``v`` (``size x size``), by ``torch.autograd.functional.jacobian``."""
@@ -93,14 +104,6 @@ class SequenceMap(IteratedMap):
         self.size = self.k * self.d + self.d * self.d
 
     # -- coordinates
-    def unpack(self, v):
-        k, d = self.k, self.d
-        return v[: k * d].reshape(k, d), v[k * d :].reshape(d, d)
-
-    @staticmethod
-    def pack(At, C):
-        return torch.cat([At.reshape(-1), C.reshape(-1)])
-
     def from_params(self, A, B):
         """``v`` of parameters ``(A, B)`` in the original coordinates."""
         A, B = A.to(self.X), B.to(self.X)
@@ -291,6 +294,17 @@ def fixed_point(
     )
 
 
+def _skew_basis(d: int, like: torch.Tensor) -> list:
+    """The skew-symmetric ``d x d`` matrices ``E_ij - E_ji``, ``i < j`` (dtype and device of ``like``)."""
+    basis = []
+    for i in range(d):
+        for j in range(i + 1, d):
+            Om = torch.zeros(d, d, dtype=like.dtype, device=like.device)
+            Om[i, j], Om[j, i] = 1.0, -1.0
+            basis.append(Om)
+    return basis
+
+
 def rotation_basis(gmap: SequenceMap, v) -> torch.Tensor:
     """Orthonormal basis (columns) of the rotation directions ``(At Omega, -Omega C)``, ``Omega`` skew, at ``v``.
 
@@ -298,14 +312,7 @@ def rotation_basis(gmap: SequenceMap, v) -> torch.Tensor:
     Stiefel manifold of the balanced factorizations' ``W`` (``d r - r (r + 1) / 2`` for rank ``r``).
     """
     At, C = gmap.unpack(v.detach())
-    d = gmap.d
-    cols = []
-    for i in range(d):
-        for j in range(i + 1, d):
-            Om = torch.zeros(d, d, dtype=v.dtype, device=v.device)
-            Om[i, j], Om[j, i] = 1.0, -1.0
-            cols.append(gmap.pack(At @ Om, -Om @ C))
-    M = torch.stack(cols, dim=1)
+    M = torch.stack([gmap.pack(At @ Om, -Om @ C) for Om in _skew_basis(gmap.d, v)], dim=1)
     U, s, _ = torch.linalg.svd(M, full_matrices=False)
     r = int((s > s[0] * 1e-8).sum())
     return U[:, :r]
@@ -321,13 +328,7 @@ def orbit_curvature(gmap: SequenceMap, v) -> np.ndarray:
     """
     v = v.detach()
     At, C = gmap.unpack(v)
-    d = gmap.d
-    basis = []
-    for i in range(d):
-        for j in range(i + 1, d):
-            Om = torch.zeros(d, d, dtype=v.dtype, device=v.device)
-            Om[i, j], Om[j, i] = 1.0, -1.0
-            basis.append(Om)
+    basis = _skew_basis(gmap.d, v)
     Oms = torch.stack(basis)
 
     def f(sv):

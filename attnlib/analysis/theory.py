@@ -54,7 +54,7 @@ import torch
 
 from .._validate import check_matrix, check_nonneg_float
 from ..geometry import to_factor
-from ..model.task import Task
+from ..model.task import Task, check_task
 from .fixedpoint import IteratedMap
 
 __all__ = [
@@ -70,12 +70,6 @@ __all__ = [
 ]
 
 
-def _check_task(task) -> Task:
-    if not isinstance(task, Task):
-        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
-    return task
-
-
 def _HK(C):
     K = C.T @ C
     H = 0.5 * (C + C.T) - 0.5 * K
@@ -84,7 +78,7 @@ def _HK(C):
 
 def thresholds(A, B, task: Task) -> Dict[str, float]:
     """``{"nu": lambda_max(C^T C), "h": lambda_max(C_sym - K/2)}`` at ``(A, B)``; ``D_1`` needs both below 1/2."""
-    task = _check_task(task)
+    task = check_task(task)
     _, C = to_factor(A, B, task)
     H, K = _HK(C)
     return {"nu": float(torch.linalg.eigvalsh(K)[-1]), "h": float(torch.linalg.eigvalsh(H)[-1])}
@@ -121,14 +115,14 @@ def d1_factor(At, C, T, *, parts: bool = False):
 
 def d1(A, B, task: Task, *, parts: bool = False):
     """``D_1(theta) = lim n (L_n(theta) - L(theta))`` for Gaussian tokens (see :func:`d1_factor`)."""
-    task = _check_task(task)
+    task = check_task(task)
     At, C = to_factor(A, B, task)
     return d1_factor(At, C, task.T, parts=parts)
 
 
 def first_order_loss(A, B, task: Task, n: float):
     """``L(theta) + D_1(theta) / n``: the first-order approximation of ``L_n`` (differentiable)."""
-    task = _check_task(task)
+    task = check_task(task)
     n = check_nonneg_float(n, "n", positive=True)
     return task.population_loss(A, B) + d1(A, B, task) / n
 
@@ -150,7 +144,7 @@ def _scale_t2(task: Task, mode: str, kappa: Optional[float]) -> float:
 def point(task: Task, W=None, *, mode: str = "balance", kappa: Optional[float] = None):
     """The point ``(t At_b, C_b / t)`` of the minimum set (factor coordinates) that the renormalization
     ``mode``/``kappa`` keeps, for rotation ``W`` (d x r, default ``V``, the chains' start); returns ``(At, C, t)``."""
-    task = _check_task(task)
+    task = check_task(task)
     U, s, V = task.svd
     W = V if W is None else check_matrix(W, "W", (task.d, len(s))).to(V)
     sh = s.sqrt()
@@ -163,7 +157,7 @@ def displacement(task: Task, W=None, *, mode: str = "balance", kappa: Optional[f
 
     Solves the Sylvester equation of the module docstring at :func:`point` ``(task, W, mode, kappa)``.
     """
-    task = _check_task(task)
+    task = check_task(task)
     At, C, t = point(task, W, mode=mode, kappa=kappa)
     U, s, V = task.svd
     At_ = At.detach().clone().requires_grad_(True)
@@ -193,7 +187,7 @@ def best_scale(task: Task, W=None, *, nus=None) -> Dict[str, object]:
     ``nus``: the grid (default 200 points in ``[0.02, 0.49]``); scales where ``D_1`` diverges give
     ``inf``. Returns ``{"nus", "c2", "nu_best", "c2_best"}``.
     """
-    task = _check_task(task)
+    task = check_task(task)
     grid = np.linspace(0.02, 0.49, 200) if nus is None else np.asarray(nus, dtype=float)
     vals = []
     for nu in grid:
@@ -232,21 +226,13 @@ class SurrogateMap(IteratedMap):
     """
 
     def __init__(self, task: Task, n: float, lr: float = 0.5, *, mode: str = "balance", kappa: Optional[float] = None):
-        self.task = _check_task(task)
+        self.task = check_task(task)
         self.n = check_nonneg_float(n, "n", positive=True)
         self.lr = check_nonneg_float(lr, "lr", positive=True)
         _scale_t2(task, mode, kappa)  # validates mode and kappa
         self.mode, self.nu_cap = mode, kappa
         self.k, self.d = task.k, task.d
         self.size = self.k * self.d + self.d * self.d
-
-    def unpack(self, v):
-        k, d = self.k, self.d
-        return v[: k * d].reshape(k, d), v[k * d :].reshape(d, d)
-
-    @staticmethod
-    def pack(At, C):
-        return torch.cat([At.reshape(-1), C.reshape(-1)])
 
     def loss(self, v):
         At, C = self.unpack(v)

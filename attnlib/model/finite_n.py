@@ -23,7 +23,7 @@ from .._validate import check_matrix, check_positive_int
 from ..linalg import sym_sqrt
 from ..rng import derive_seed
 from .layer import attention, attention_limit, empirical_loss
-from .task import SigmaLike, Task, as_covariance
+from .task import SigmaLike, Task, as_covariance, check_task
 
 __all__ = [
     "HEAVY_TAIL_THRESHOLD",
@@ -46,12 +46,6 @@ HEAVY_TAIL_THRESHOLD = 0.5
 
 # at most this many scores (queries x keys) are formed or masked at once
 _CHUNK_SCORES = 1 << 22
-
-
-def _check_task(task) -> Task:
-    if not isinstance(task, Task):
-        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
-    return task
 
 
 def _check_ns(ns, name: str = "ns", minimum: int = 1) -> list:
@@ -130,7 +124,7 @@ def finite_n_error(
     tensor of shape ``(len(ns), m)`` (mean over sequences), or with
     ``per_seed=True`` of shape ``(len(ns), n_seeds, m)`` (one row per sequence).
     """
-    task = _check_task(task)
+    task = check_task(task)
     ns = _check_ns(ns)
     n_seeds = check_positive_int(n_seeds, "n_seeds")
     limit = attention_limit(A, B, task, queries)
@@ -256,7 +250,7 @@ def query_averaged_error(
     ``(len(ns), n_seeds)``: one query average per sequence, so that fits can
     resample sequences (:func:`attnlib.analysis.stats.fit_error_exponent`).
     """
-    task = _check_task(task)
+    task = check_task(task)
     ns = _check_ns(ns)
     n_queries = check_positive_int(n_queries, "n_queries")
     n_seeds = check_positive_int(n_seeds, "n_seeds")
@@ -293,7 +287,7 @@ def self_token_errors(
     Returns ``(with_self, without_self)``, each of shape ``(len(ns), n_seeds)``;
     needs ``n >= 2``.
     """
-    task = _check_task(task)
+    task = check_task(task)
     ns = _check_ns(ns, minimum=2)
     n_queries = check_positive_int(n_queries, "n_queries")
     n_seeds = check_positive_int(n_seeds, "n_seeds")
@@ -341,7 +335,7 @@ def self_token_term(
 
     :func:`self_token_prediction` gives the leading orders of their means.
     """
-    task = _check_task(task)
+    task = check_task(task)
     n = check_positive_int(n, "n", minimum=2)
     n_seeds = check_positive_int(n_seeds, "n_seeds")
     A, B = _layer_params(A, B, task.Sigma)
@@ -415,7 +409,7 @@ def heldout_loss(A, B, task: Task, n: int, *, n_sequences: int = 4, seed: int = 
     same length. Sequence ``i`` is drawn with ``derive_seed(seed, "heldout", i)``.
     Runs without gradients.
     """
-    task = _check_task(task)
+    task = check_task(task)
     n = check_positive_int(n, "n")
     n_sequences = check_positive_int(n_sequences, "n_sequences")
     with torch.no_grad():

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validate import check_matrix, check_positive_int
-from .task import SigmaLike, Task, as_covariance
+from .task import SigmaLike, Task, as_covariance, check_task
 
 __all__ = [
     "sample_prompts",
@@ -38,12 +38,6 @@ __all__ = [
     "prompt_losses",
     "limit_losses",
 ]
-
-
-def _check_task(task) -> Task:
-    if not isinstance(task, Task):
-        raise ValueError(f"task: expected an attnlib.Task, got {type(task).__name__}")
-    return task
 
 
 def _check_prompts(X, Y=None):
@@ -61,7 +55,7 @@ def sample_prompts(task: Task, n: int, prompts: int, *, seed=None, generator=Non
     Drawn with :meth:`attnlib.model.task.Task.sample` (float64 on the CPU from the seed or generator, then moved
     to the task's dtype and device); prompt ``b`` is rows ``b n .. (b + 1) n - 1`` of one draw.
     """
-    task = _check_task(task)
+    task = check_task(task)
     n = check_positive_int(n, "n")
     prompts = check_positive_int(prompts, "prompts")
     X, Y = task.sample(n * prompts, seed=seed, generator=generator)

@@ -31,7 +31,7 @@ from .._validate import (
 from ..linalg import numerical_rank, sym_inv_sqrt, sym_sqrt
 from ..rng import make_generator
 
-__all__ = ["Task", "empirical_task", "as_covariance", "SigmaLike"]
+__all__ = ["Task", "empirical_task", "as_covariance", "SigmaLike", "check_task"]
 
 
 class Task:
@@ -267,3 +267,10 @@ def as_covariance(Sigma: SigmaLike, name: str = "Sigma") -> torch.Tensor:
     if isinstance(Sigma, Task):
         return Sigma.Sigma
     return check_spd(Sigma, name)
+
+
+def check_task(task, name: str = "task") -> Task:
+    """``task`` if it is a :class:`Task`, else a ``ValueError`` naming the argument."""
+    if not isinstance(task, Task):
+        raise ValueError(f"{name}: expected an attnlib.Task, got {type(task).__name__}")
+    return task

@@ -38,8 +38,7 @@ from .._validate import check_matrix, check_positive_int, check_samples, resolve
 from ..geometry import Renormalization, manifold_point
 from ..linalg import sym_inv_sqrt
 from ..model.finite_n import softmax_scale
-from ..model.prompts import _check_task
-from ..model.task import Task
+from ..model.task import Task, check_task
 from ..rng import make_generator
 from .config import ChainConfig, PromptConfig, TrainConfig, make_config
 from .init import random_init, spectral_init
@@ -164,7 +163,7 @@ def train_population(task: Task, config: Optional[TrainConfig] = None, /, *, hoo
     the whitened parameters are exactly ``(At, C^T)``, so plain gradient descent there is preconditioned
     descent.
     """
-    task = _check_task(task)
+    task = check_task(task)
     cfg = make_config(TrainConfig, config, options)
     if METHODS[cfg.method].needs_samples:
         raise ValueError(f"method: {cfg.method!r} needs samples (minibatches of queries); use train(X, Y, ...)")
@@ -197,7 +196,7 @@ def train_prompts(task: Task, n: int, config: Optional[PromptConfig] = None, /, 
     run whose parameters blow up so far that the moment kernel's softmax sums underflow
     (``ZeroDivisionError``) counts as diverged.
     """
-    task, n = _check_task(task), check_positive_int(n, "n")
+    task, n = check_task(task), check_positive_int(n, "n")
     cfg = make_config(PromptConfig, config, options)
     loss = _prompt_objective(task, n, cfg, generator)
     A, B = _start(cfg, task.d, task.k, "spectral", lambda: manifold_point(task, task.svd[2]), task.Sigma)
@@ -239,7 +238,7 @@ def run_chain(task: Task, n: int, config: Optional[ChainConfig] = None, /, *, ge
     chains must differ, e.g. ``derive_seed``). The limit map ``A Sigma B^T`` is averaged over iterates
     ``burn_in .. steps`` (:class:`~attnlib.optim.IterateAverage`). Returns a :class:`ChainResult`.
     """
-    task, n = _check_task(task), check_positive_int(n, "n")
+    task, n = check_task(task), check_positive_int(n, "n")
     cfg = make_config(ChainConfig, config, options)
     loss = _prompt_objective(task, n, cfg, generator)
     A, B = _start(cfg, task.d, task.k, "spectral", lambda: manifold_point(task, task.svd[2]), task.Sigma)

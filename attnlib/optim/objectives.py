@@ -26,8 +26,8 @@ from .._validate import check_matrix, check_positive_int, check_samples, resolve
 from ..geometry import regularizer
 from ..model.kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
 from ..model.layer import _empirical_loss
-from ..model.prompts import _check_prompts, _check_task, _limit_losses, _prompt_losses, sample_prompts
-from ..model.task import Task, empirical_task
+from ..model.prompts import _check_prompts, _limit_losses, _prompt_losses, sample_prompts
+from ..model.task import Task, check_task, empirical_task
 from ..rng import make_generator
 
 __all__ = ["Objective", "empirical_objective", "population_objective", "PromptObjective"]
@@ -76,7 +76,7 @@ def empirical_objective(X, Y, *, geometry: bool = True) -> Objective:
 
 def population_objective(task: Task) -> Objective:
     """The closed-form population loss ``L(A, B)`` of ``task`` (its ``Sigma`` is the geometry)."""
-    task = _check_task(task)
+    task = check_task(task)
     return Objective(lambda A, B, idx: task.population_loss(A, B), geometry=task)
 
 
@@ -109,7 +109,7 @@ class PromptObjective:
         engine: str = "auto",
         attention_dtype=None,
     ):
-        self.task = _check_task(task)
+        self.task = check_task(task)
         self.n = check_positive_int(n, "n")
         self.prompts = check_positive_int(prompts, "prompts")
         self.gen = make_generator(None, generator)
