@@ -1,7 +1,7 @@
 """The one training loop, its record and its divergence policy.
 
-:func:`run` drives a step rule (:class:`attnlib.optim.steps.Step`) on an objective
-(:class:`attnlib.optim.objectives.Objective`): evaluate, record, update, renormalize
+:func:`run` drives a step rule (:class:`attnlib.optim.Step`) on an objective
+(:class:`attnlib.optim.Objective`): evaluate, record, update, renormalize
 (:class:`attnlib.geometry.Renormalization`, the one place where iterates move along the orbit),
 check. A :class:`DivergenceGuard` is the single place that decides what a non-finite or
 overflowing iterate means; a :class:`Recorder` the single place that writes the :class:`History`;
