@@ -40,7 +40,7 @@ Regime (ii), ``n`` = context length, infinitely many prompts:
   from which :func:`prompt_excess` forms the unbiased U-statistic.
 
 The sweeps of chapter 6 share one task: ``d = 4``, ``k = 2``, ``cond(Sigma) = 10``, ``||T||_F = 1``
-(seed 0); chapter 7's sweeps use :func:`optimizer_task`, the heavy-tail sweep chapter 2's task
+(seed 0); chapter 7's sweeps use ``optimizer_task``, the heavy-tail sweep chapter 2's task
 (``HEAVY_TAIL_TASK``).
 """
 
@@ -509,8 +509,9 @@ _CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
     "batches",
 )
 
-#: name -> dict(func, spec_columns, columns, full, quick): ``func(spec) -> rows`` (module level), the spec
-#: fields written to every row, the columns ``func`` returns, and the full and quick spec lists (functions).
+#: The book's sweeps by name, each a dict of ``func`` (``func(spec) -> rows``, module level), ``spec_columns``
+#: (the spec fields written to every row), ``columns`` (what ``func`` returns) and ``full``, ``quick`` (functions
+#: returning the spec lists).
 SWEEPS: Dict[str, dict] = {
     "spectral": dict(
         func=_run_spectral,
@@ -835,7 +836,7 @@ def _grid_columns(score: str, *measured: str) -> tuple:
     return ("lr", score, "diverged", "selected", "position") + measured
 
 
-#: The columns the chapter-7 sweeps measure at the selected step (``attnlib.optimizers.measure``).
+#: The columns the chapter-7 sweeps measure at the selected step (``attnlib.optim.optimizers.measure``).
 _MEASURED = ("steps_1e-6", "steps_1e-10", "max_after_1e-6", "max_after_1e-10", "final_excess")
 
 
@@ -1077,8 +1078,8 @@ SWEEPS["optimizers_prompts"] = dict(
 #: Chapter 2's task (arguments of :meth:`attnlib.model.task.Task.random`) and the seed of its balanced minimum.
 HEAVY_TAIL_TASK = dict(d=4, k=2, cond=4.0, signal=1.0, noise_std=0.2, seed=3)
 HEAVY_TAIL_MANIFOLD_SEED = 4
-#: The heavy-tail sweep's design: softmax scales, the scales also run with the sequence's own tokens as
-#: queries, sequence lengths, sequences per length, queries per sequence, the seed of the draws.
+#: The design of the heavy-tail sweep (softmax scales, the scales also run with the sequence's own tokens as
+#: queries, sequence lengths, sequences per length, queries per sequence, the seed of the draws).
 HEAVY_TAIL_DESIGN = dict(
     scales=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5),
     self_scales=(0.2, 1.0),

@@ -1,7 +1,7 @@
 """A resumable sweep runner that fans runs out over Dask (``distributed``); only the driver writes.
 
 A :class:`Sweep` is a list of run specifications (plain dicts, each with a unique ``"run"``
-id) and a module-level function ``func(spec) -> list of row dicts``. :func:`run_sweep`
+id) and a module-level function ``func(spec) -> list of row dicts``. :func:`attnlib.experiments.runner.run_sweep`
 
 * reads the output CSV, keeps every *complete* run exactly once (each row carries its run id
   and the number of rows of its run, ``nrows``), drops a torn last line or a partial run left by
@@ -183,8 +183,8 @@ def read_sweep(path: str, *, frame: bool = False):
     """The rows of the complete runs of a sweep CSV, with typed values; the one reader of the book's sweeps.
 
     A partial or repeated run (a crash in the middle of a write) and a torn last line are left out,
-    as :func:`run_sweep` would drop them. Values are typed by column: ``run`` is always a string; a
-    column of integer literals reads as ``int`` (flags written as 0/1 too); a column of numbers,
+    as :func:`attnlib.experiments.runner.run_sweep` would drop them. Values are typed by column: ``run`` is
+    always a string; a column of integer literals reads as ``int`` (flags written as 0/1 too); a column of numbers,
     some of them possibly empty, as ``float`` with ``nan`` for the empty ones; any other column as
     ``str``. Returns a list of dicts in file order, or with ``frame=True`` a ``pandas.DataFrame``
     with the file's columns.

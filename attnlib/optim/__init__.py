@@ -6,10 +6,10 @@
   (one sequence, regime (i)), :func:`train_population` (the infinite-data limit),
   :func:`train_prompts` and :func:`run_chain` (context length ``n``, regime (ii)) build the objective and
   the start and call it;
-* objectives (:mod:`attnlib.optim.objectives`), step rules and the method registry
-  (:mod:`attnlib.optim.steps`), the loop with its record, divergence guard and hooks
-  (:mod:`attnlib.optim.loop`), step-size grids (:mod:`attnlib.optim.grid`), and the practitioners'
-  optimizers (:mod:`attnlib.optim.optimizers`, which registers its methods when imported).
+* objectives (``attnlib.optim.objectives``), step rules and the method registry
+  (``attnlib.optim.steps``), the loop with its record, divergence guard and hooks
+  (``attnlib.optim.loop``), step-size grids (``attnlib.optim.grid``), and the practitioners'
+  optimizers (``attnlib.optim.optimizers``, which registers its methods when imported).
 
 The renormalization after each update is :class:`attnlib.geometry.Renormalization`, applied by the loop only.
 """

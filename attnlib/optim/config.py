@@ -33,7 +33,7 @@ class TrainConfig:
     Parameters
     ----------
     steps, lr : number of updates and step size.
-    method : a name in :data:`~attnlib.optim.METHODS`: ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"``,
+    method : a name in ``attnlib.optim.METHODS``: ``"structured"`` (Algorithm 1), ``"gd"``, ``"sgd"``,
         ``"adam"``, and those :mod:`attnlib.optim.optimizers` registers (``"adamw"``, ``"muon"``, ...).
     init : ``"spectral"``, ``"random"`` (scale ``init_std``, seed ``seed``), a pair ``(A, B)`` (parameters of
         the layer on the raw tokens), or ``None``: the objective's default start (spectral on a sample,

@@ -1,6 +1,6 @@
 """Step-size selection: every method gets its best step size from a grid, by one criterion.
 
-:func:`best_of_grid` runs a grid and returns the best run; :class:`GridCache` stores a grid's
+:func:`attnlib.optim.best_of_grid` runs a grid and returns the best run; :class:`GridCache` stores a grid's
 scores in a JSON file so that a chapter re-runs only the selected step (and checks it).
 """
 
@@ -65,7 +65,7 @@ class GridCache:
 
     A fair comparison gives every method its best step size from a grid wide
     enough that the best step is interior; that costs one run per grid point.
-    ``best(key, run, lrs, score=..., criterion=...)`` does what :func:`best_of_grid`
+    ``best(key, run, lrs, score=..., criterion=...)`` does what :func:`attnlib.optim.best_of_grid`
     does and stores, under ``key``, the grid, every step size's score (``None``:
     diverged or disqualified), the selected step size and the name of the
     criterion. When the file already holds ``key`` with the same grid and

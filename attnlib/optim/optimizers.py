@@ -7,7 +7,7 @@ step-size schedule. Importing this module (``attnlib.optim`` does) registers
 (:func:`attnlib.optim.register_method`) the methods
 
 * ``"adamw"``: ``torch.optim.AdamW`` (torch's defaults: betas (0.9, 0.999), eps 1e-8, decoupled
-  weight decay 0.01); ``"adam"`` (``torch.optim.Adam``) is already a method of :mod:`attnlib.optim.steps`;
+  weight decay 0.01); ``"adam"`` (``torch.optim.Adam``) is already a method of ``attnlib.optim.steps``;
 * ``"muon"``: ``torch.optim.Muon`` at a constant step (momentum 0.95, Nesterov, five quintic
   Newton-Schulz iterations in bfloat16, weight decay 0, torch's shape adjustment of the step);
   Muon is defined for 2-D parameters only, which ``A`` (k x d) and ``B`` (d x d) are;
