@@ -509,6 +509,20 @@ def _large_specs(design=LARGE_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[di
     return [s for ns, chains in design for s in _prompt_specs(scales, ns, chains, attention_dtype="float32", **kw)]
 
 
+#: The other light-tailed scale beyond n = 1024 (issue 21): ``fix0.375`` (balance, then move along the
+#: orbit to nu = 0.375, as in the ``prompts`` sweep) with the design of ``prompts_large``.
+LARGE_FIX_SCALES = PROMPT_SCALES[1:2]
+
+#: float32 against float64 attention (issue 21): chains of ``prompts_large`` (the cap 1/4, the same labels,
+#: hence the same seeds and prompts), all 8 at n = 2048 and the first 4 of 12 at n = 4096, rerun with
+#: float64 attention, to pair with them.
+PRECISION_DESIGN = (((2048,), 8), ((4096,), 4))
+
+
+def _precision_specs(design=PRECISION_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[dict]:
+    return [s for ns, chains in design for s in _prompt_specs(scales, ns, chains, attention_dtype="float64", **kw)]
+
+
 # ----------------------------------------------------------------------------- the sweeps
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
@@ -584,6 +598,22 @@ SWEEPS: Dict[str, dict] = {
         + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
         full=lambda: _large_specs(),
         quick=lambda: _large_specs((((16,), 3),), steps=12, burn_in=4),
+    ),
+    "prompts_large_fix": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr", "attention_dtype"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _large_specs(scales=LARGE_FIX_SCALES),
+        quick=lambda: _large_specs((((16,), 3),), scales=LARGE_FIX_SCALES, steps=12, burn_in=4),
+    ),
+    "prompts_float64": dict(
+        func=_run_chain,
+        spec_columns=("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr", "attention_dtype"),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "scale", "last_excess", "batches"),
+        full=lambda: _precision_specs(),
+        quick=lambda: _precision_specs((((16,), 3),), steps=12, burn_in=4),
     ),
     "law": dict(
         func=_run_law,
