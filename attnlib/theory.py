@@ -67,6 +67,7 @@ __all__ = [
     "c2",
     "best_scale",
     "tail_exponent",
+    "exact_fit",
 ]
 
 
@@ -219,6 +220,70 @@ def tail_exponent(task: Task, W=None, *, mode: str = "balance", kappa: Optional[
     gw = 1 / (2 * nu) - 1 if nu > 0 else math.inf
     gs = 1 / (2 * h) - 1 if h > 0 else math.inf
     return {"nu": nu, "h": h, "zeta_weights": gw, "zeta_self": gs, "zeta": min(1.0, gw, gs)}
+
+
+def exact_fit(X, Y, init=None, *, iters: int = 300, seed: int = 0, tol: float = 1e-28) -> Dict[str, object]:
+    """Levenberg-Marquardt on the residuals of the one-sequence loss ``Lhat_n`` (regime (i)): does a finite
+    point fit all ``n`` targets exactly?
+
+    The layer is the book's (:func:`attnlib.attention.attention_reference`: each token attends to all
+    ``n`` tokens, itself included). ``init = (A, B)`` or, by default, a random start (entries
+    ``N(0, 1/4)``, from ``seed``). Each iteration solves ``(J^T J + damp diag(J^T J)) step = -J^T r``
+    and keeps the step only if it lowers the loss (so the recorded losses never increase); stops when
+    ``Lhat_n < tol`` or after ``iters`` iterations. Returns ``{"A", "B", "loss", "losses", "norms",
+    "iterations"}``: ``losses[t]`` and ``norms[t]`` (``||(A, B)||_F``) after accepted step ``t``.
+    A loss near round-off at a bounded norm exhibits a finite exact fit; a loss that keeps falling only
+    while the norm grows is what an infimum approached at infinity looks like (a numerical sign, not a proof).
+    """
+    from ._validate import check_positive_int, check_samples
+    from .attention import attention_reference
+
+    X, Y = check_samples(X, Y)
+    if Y is None:
+        raise ValueError("Y: expected an (n, k) array of targets")
+    iters = check_positive_int(iters, "iters")
+    tol = check_nonneg_float(tol, "tol")
+    n, d = X.shape
+    k = Y.shape[1]
+    if init is None:
+        g = torch.Generator().manual_seed(int(seed))
+        p = 0.5 * torch.randn(k * d + d * d, generator=g, dtype=torch.float64).to(X)
+    else:
+        A0 = check_matrix(init[0], "init[0] (A)", (k, d)).to(X)
+        B0 = check_matrix(init[1], "init[1] (B)", (d, d)).to(X)
+        p = torch.cat([A0.reshape(-1), B0.reshape(-1)])
+
+    def residual(q):
+        return (attention_reference(q[: k * d].reshape(k, d), q[k * d :].reshape(d, d), X) - Y).reshape(-1)
+
+    r = residual(p)
+    f = float(r @ r) / (2 * n)
+    losses, norms, damp, it = [f], [float(torch.linalg.norm(p))], 1e-2, 0
+    for it in range(1, iters + 1):
+        if f < tol:
+            break
+        J = torch.autograd.functional.jacobian(residual, p, vectorize=True)
+        H, g_ = J.T @ J, J.T @ r
+        while damp < 1e12:
+            step = torch.linalg.solve(H + damp * torch.diag(torch.diag(H) + 1e-12), -g_)
+            r2 = residual(p + step)
+            f2 = float(r2 @ r2) / (2 * n)
+            if f2 < f:
+                p, r, f, damp = p + step, r2, f2, max(damp / 3, 1e-12)
+                break
+            damp *= 4
+        else:
+            break  # no step lowers the loss at any damping
+        losses.append(f)
+        norms.append(float(torch.linalg.norm(p)))
+    return {
+        "A": p[: k * d].reshape(k, d).detach(),
+        "B": p[k * d :].reshape(d, d).detach(),
+        "loss": f,
+        "losses": np.array(losses),
+        "norms": np.array(norms),
+        "iterations": it,
+    }
 
 
 class SurrogateMap(IteratedMap):

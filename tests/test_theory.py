@@ -119,3 +119,30 @@ def test_tail_exponent(task):
         th.tail_exponent(task, mode="nope", kappa=0.2)
     with pytest.raises(ValueError, match="task"):
         th.c2("task")
+
+
+def _noiseless_sequence(task, n, seed):
+    X = torch.randn(n, task.d, generator=al.make_generator(seed), dtype=torch.float64) @ al.sym_sqrt(task.Sigma)
+    return X, X @ task.M.T
+
+
+def test_exact_fit_exists_below_the_count_and_not_above(task):
+    # n k <= k d + d^2 (here 16 <= 24): a finite point fits all targets (loss at round-off, bounded norm)
+    X, Y = _noiseless_sequence(task, 8, 1)
+    best = min((th.exact_fit(X, Y, seed=s, iters=200) for s in range(3)), key=lambda r: r["loss"])
+    assert best["loss"] < 1e-25 and best["norms"][-1] < 50
+    out = al.attention_reference(best["A"], best["B"], X)
+    assert float(torch.max(torch.abs(out - Y))) < 1e-12
+    # n k > k d + d^2 (64 > 24): the loss keeps falling only while the norm grows (no exact fit found)
+    X, Y = _noiseless_sequence(task, 32, 2)
+    r = th.exact_fit(X, Y, seed=0, iters=150)
+    assert np.all(np.diff(r["losses"]) <= 0) and r["loss"] > 1e-20
+    assert r["norms"][-1] > 2 * r["norms"][0]
+
+
+def test_exact_fit_rejects_bad_input(task):
+    X, Y = _noiseless_sequence(task, 8, 1)
+    with pytest.raises(ValueError, match="Y"):
+        th.exact_fit(X, None)
+    with pytest.raises(ValueError, match="init"):
+        th.exact_fit(X, Y, init=(torch.zeros(3, 4), torch.zeros(4, 4)))
