@@ -258,8 +258,8 @@ def exact_fit(X, Y, init=None, *, iters: int = 300, seed: int = 0, tol: float = 
 
     r = residual(p)
     f = float(r @ r) / (2 * n)
-    losses, norms, damp, it = [f], [float(torch.linalg.norm(p))], 1e-2, 0
-    for it in range(1, iters + 1):
+    losses, norms, damp = [f], [float(torch.linalg.norm(p))], 1e-2
+    for _ in range(iters):
         if f < tol:
             break
         J = torch.autograd.functional.jacobian(residual, p, vectorize=True)
@@ -282,7 +282,7 @@ def exact_fit(X, Y, init=None, *, iters: int = 300, seed: int = 0, tol: float = 
         "loss": f,
         "losses": np.array(losses),
         "norms": np.array(norms),
-        "iterations": it,
+        "iterations": len(losses) - 1,
     }
 
 
