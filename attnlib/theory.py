@@ -68,6 +68,7 @@ __all__ = [
     "best_scale",
     "tail_exponent",
     "exact_fit",
+    "approach",
 ]
 
 
@@ -220,6 +221,63 @@ def tail_exponent(task: Task, W=None, *, mode: str = "balance", kappa: Optional[
     gw = 1 / (2 * nu) - 1 if nu > 0 else math.inf
     gs = 1 / (2 * h) - 1 if h > 0 else math.inf
     return {"nu": nu, "h": h, "zeta_weights": gw, "zeta_self": gs, "zeta": min(1.0, gw, gs)}
+
+
+def approach(
+    task: Task,
+    ns,
+    scaled,
+    se,
+    *,
+    W=None,
+    mode: str = "balance",
+    kappa: Optional[float] = None,
+    n_min: Optional[float] = None,
+) -> Dict[str, object]:
+    r"""The predicted correction to ``n^2 x excess``: ``c2 (1 - alpha n^-zeta)``, its amplitude fitted to data.
+
+    Form (ours, heuristic; the chapter derives it): cutting the query average of ``D_1`` where a weight
+    ``e^{|a|^2}`` or ``e^{z^T H z}`` reaches order ``n`` leaves out a tail of relative size ``n^{-zeta_t}``
+    (``zeta_t`` of :func:`tail_exponent`), and the next order of the expansion adds ``1/n``; so the
+    fixed point's displacement is ``E_1 (1 + O(n^{-zeta}))`` and
+    ``n^2 (L(theta_n) - L*) / c2 = 1 - alpha n^{-zeta} + o(n^{-zeta})`` with ``zeta`` the smallest of
+    them. ``c2`` and ``zeta`` are predicted; the amplitude ``alpha`` (it depends on where the cut lies and
+    on logarithms) is not: it is fitted, ONE parameter, by weighted least squares of
+    ``1 - scaled / c2`` on ``n^{-zeta}`` over ``n >= n_min``, weights ``(c2 / se)^2``.
+
+    ``ns``, ``scaled`` (measured ``n^2 x excess``) and ``se`` (its standard errors): equal lengths.
+    Returns ``{"c2", "zeta", "alpha", "alpha_se", "chi2", "dof", "z", "used", "curve"}``: ``z`` the
+    residuals of every ``n`` in standard errors (also those below ``n_min``), ``used`` the mask of the
+    fitted ``n``, ``curve(n)`` the fitted prediction of ``n^2 x excess``.
+    """
+    ns = np.asarray(ns, dtype=float)
+    scaled = np.asarray(scaled, dtype=float)
+    se = np.asarray(se, dtype=float)
+    if ns.ndim != 1 or scaled.shape != ns.shape or se.shape != ns.shape:
+        raise ValueError(
+            f"ns, scaled, se: expected 1-d arrays of equal length, got {ns.shape}, {scaled.shape}, {se.shape}"
+        )
+    if np.any(ns <= 0) or np.any(se <= 0):
+        raise ValueError("ns, se: expected positive context lengths and standard errors")
+    const = c2(task, W, mode=mode, kappa=kappa)
+    zeta = tail_exponent(task, W, mode=mode, kappa=kappa)["zeta"]
+    used = ns >= (n_min if n_min is not None else -np.inf)
+    if used.sum() < 2:
+        raise ValueError(f"n_min: expected at least two n >= n_min to fit one amplitude, got {int(used.sum())}")
+    x, y, w = ns**-zeta, 1 - scaled / const, (const / se) ** 2
+    alpha = float(np.sum((w * x * y)[used]) / np.sum((w * x * x)[used]))
+    z = (scaled - const * (1 - alpha * x)) / se
+    return {
+        "c2": const,
+        "zeta": zeta,
+        "alpha": alpha,
+        "alpha_se": float(np.sum((w * x * x)[used]) ** -0.5),
+        "chi2": float(np.sum(z[used] ** 2)),
+        "dof": int(used.sum()) - 1,
+        "z": z,
+        "used": used,
+        "curve": lambda n: const * (1 - alpha * np.asarray(n, dtype=float) ** -zeta),
+    }
 
 
 def exact_fit(X, Y, init=None, *, iters: int = 300, seed: int = 0, tol: float = 1e-28) -> Dict[str, object]:

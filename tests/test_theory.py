@@ -146,3 +146,23 @@ def test_exact_fit_rejects_bad_input(task):
         th.exact_fit(X, None)
     with pytest.raises(ValueError, match="init"):
         th.exact_fit(X, Y, init=(torch.zeros(3, 4), torch.zeros(4, 4)))
+
+
+def test_approach_recovers_the_amplitude_and_flags_a_wrong_form(task):
+    const = th.c2(task, mode="cap", kappa=0.25)
+    zeta = th.tail_exponent(task, mode="cap", kappa=0.25)["zeta"]
+    ns = np.array([128.0, 256, 512, 1024, 2048, 4096])
+    se = 0.01 * const * np.ones_like(ns)
+    exact = const * (1 - 2.5 * ns**-zeta)
+    a = th.approach(task, ns, exact, se, mode="cap", kappa=0.25)
+    assert a["c2"] == pytest.approx(const) and a["zeta"] == pytest.approx(zeta)
+    assert a["alpha"] == pytest.approx(2.5, rel=1e-12) and a["chi2"] < 1e-18 and a["dof"] == 5
+    assert a["curve"](1e12) == pytest.approx(const, rel=1e-3)  # the correction vanishes: the limit is c2
+    # data from another exponent (a much slower approach): the one-amplitude form does not fit
+    slow = const * (1 - 2.5 * ns**-0.05)
+    b = th.approach(task, ns, slow, se, mode="cap", kappa=0.25, n_min=256)
+    assert b["chi2"] / b["dof"] > 100 and not b["used"][0] and abs(b["z"][0]) > 10
+    with pytest.raises(ValueError, match="n_min"):
+        th.approach(task, ns, exact, se, mode="cap", kappa=0.25, n_min=4096)
+    with pytest.raises(ValueError, match="equal length"):
+        th.approach(task, ns, exact[:-1], se, mode="cap", kappa=0.25)
