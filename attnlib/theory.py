@@ -69,6 +69,7 @@ __all__ = [
     "tail_exponent",
     "exact_fit",
     "approach",
+    "paired_precision",
 ]
 
 
@@ -277,6 +278,58 @@ def approach(
         "z": z,
         "used": used,
         "curve": lambda n: const * (1 - alpha * np.asarray(n, dtype=float) ** -zeta),
+    }
+
+
+def paired_precision(Rs_a, Rs_b, Sigma) -> Dict[str, float]:
+    r"""Paired comparison of two versions of the same chains (e.g. float32 against float64 attention on the
+    same seeds and prompts): does the estimator's bias and variance change?
+
+    ``Rs_a``, ``Rs_b``: ``(K, k, d)`` averaged residuals of chains ``1..K``, chain ``c`` of ``a`` paired with
+    chain ``c`` of ``b``. The bias is estimated by the U-statistic of :func:`attnlib.prompts.excess_ustat`,
+    the variance by ``v = 1/(2 (K - 1)) sum_c tr((R_c - Rbar) Sigma (R_c - Rbar)^T)`` (the chains' noise in
+    the excess metric). Returns ``{"excess_a", "excess_b", "se_a", "se_b", "diff", "diff_se", "var_a",
+    "var_b", "var_diff", "var_diff_se", "max_rel_change", "K"}``: ``diff = excess_a - excess_b`` and
+    ``var_diff = var_a - var_b`` with jackknife standard errors over the pairs (leave one pair out), and
+    ``max_rel_change`` the largest ``||R_a,c - R_b,c||`` over ``sqrt(2 var_b)`` (both in the ``Sigma`` metric).
+    """
+    from .prompts import excess_ustat
+
+    Ra, Rb = np.asarray(Rs_a, dtype=float), np.asarray(Rs_b, dtype=float)
+    if Ra.ndim != 3 or Ra.shape != Rb.shape or Ra.shape[0] < 3:
+        raise ValueError(
+            f"Rs_a, Rs_b: expected at least three paired (k, d) residuals each, got shapes {Ra.shape}, {Rb.shape}"
+        )
+    S = np.asarray(Sigma.cpu().numpy() if isinstance(Sigma, torch.Tensor) else Sigma, dtype=float)
+    K = Ra.shape[0]
+
+    def var(R):
+        D = R - R.mean(axis=0)
+        return 0.5 * float(np.einsum("iab,bc,iac->", D, S, D)) / (R.shape[0] - 1)
+
+    def stats(idx):
+        ua, ub = excess_ustat(Ra[idx], S)["excess"], excess_ustat(Rb[idx], S)["excess"]
+        return ua - ub, var(Ra[idx]) - var(Rb[idx])
+
+    loo = np.array([stats(np.delete(np.arange(K), c)) for c in range(K)])
+    jk = np.sqrt((K - 1) / K * np.sum((loo - loo.mean(axis=0)) ** 2, axis=0))
+    ea, eb = excess_ustat(Ra, S), excess_ustat(Rb, S)
+    va, vb = var(Ra), var(Rb)
+    D = Ra - Rb
+    change = np.sqrt(np.einsum("iab,bc,iac->i", D, S, D))
+    return {
+        "excess_a": ea["excess"],
+        "excess_b": eb["excess"],
+        "se_a": ea["se"],
+        "se_b": eb["se"],
+        "diff": ea["excess"] - eb["excess"],
+        "diff_se": float(jk[0]),
+        "var_a": va,
+        "var_b": vb,
+        "var_diff": va - vb,
+        "var_diff_se": float(jk[1]),
+        "max_rel_change": float(change.max() / math.sqrt(2 * vb)),
+        "K": K,
     }
 
 

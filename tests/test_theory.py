@@ -166,3 +166,20 @@ def test_approach_recovers_the_amplitude_and_flags_a_wrong_form(task):
         th.approach(task, ns, exact, se, mode="cap", kappa=0.25, n_min=4096)
     with pytest.raises(ValueError, match="equal length"):
         th.approach(task, ns, exact[:-1], se, mode="cap", kappa=0.25)
+
+
+def test_paired_precision_against_direct_computation(task):
+    rng = np.random.default_rng(5)
+    Rb = 0.01 + 0.003 * rng.standard_normal((6, task.k, task.d))
+    same = th.paired_precision(Rb, Rb, task.Sigma)
+    assert same["diff"] == 0 and same["var_diff"] == 0 and same["diff_se"] == 0 and same["max_rel_change"] == 0
+    Ra = 1.1 * Rb  # every chain scaled: the excess by 1.21, the variance by 1.21
+    p = th.paired_precision(Ra, Rb, task.Sigma)
+    ub = pr.excess_ustat(Rb, task.Sigma)["excess"]
+    assert p["excess_b"] == pytest.approx(ub) and p["diff"] == pytest.approx(0.21 * ub, rel=1e-10)
+    assert p["var_a"] == pytest.approx(1.21 * p["var_b"], rel=1e-10) and p["diff_se"] > 0
+    S = task.Sigma.numpy()
+    D = Rb - Rb.mean(0)
+    assert p["var_b"] == pytest.approx(sum(0.5 * np.trace(x @ S @ x.T) for x in D) / 5, rel=1e-12)
+    with pytest.raises(ValueError, match="Rs_a, Rs_b"):
+        th.paired_precision(Rb[:2], Rb[:2], task.Sigma)
