@@ -48,7 +48,7 @@ def test_spectral_rows_are_what_the_library_computes():
 
 
 def test_trained_balance_rows_are_the_structured_algorithm():
-    spec = dict(run="r", renorm="balance", kappa="", noise_std=0.1, n=64, seed=1, steps=5, lr=0.5)
+    spec = dict(run="r", renormalize="balance", nu_cap="", noise_std=0.1, n=64, seed=1, steps=5, lr=0.5)
     rows = ex._run_trained(spec)
     task = ex.make_task(0.1)
     X, Y = ex._sequence(task, "regime-i-trained", 64, 1)
@@ -59,7 +59,7 @@ def test_trained_balance_rows_are_the_structured_algorithm():
 
 
 def test_rate_rows_measure_the_distance_to_the_last_iterates_orbit():
-    spec = dict(run="r", renorm="balance", kappa="", noise_std=0.1, n=32, seed=0, steps=10, lr=0.5)
+    spec = dict(run="r", renormalize="balance", nu_cap="", noise_std=0.1, n=32, seed=0, steps=10, lr=0.5)
     rows = ex._run_rate(spec)
     assert len(rows) == 11 and rows[-1]["orbit_dist"] < 1e-12 and rows[0]["orbit_dist"] > 0
 
@@ -96,7 +96,7 @@ def test_values_by_n_and_fit_floor_on_known_rows():
             for st in (0, 80):
                 rows.append(
                     dict(
-                        renorm="balance",
+                        renormalize="balance",
                         noise_std=0.1,
                         n=float(n),
                         seed=float(s),
@@ -151,7 +151,7 @@ def _rows():
             for step in (3, 0, 1):
                 rows.append(
                     dict(
-                        renorm=renorm,
+                        renormalize=renorm,
                         noise_std=0.0,
                         n=32.0,
                         seed=float(seed),
@@ -167,19 +167,19 @@ def test_trained_values_pair_seed_by_seed_and_pick_the_last_step():
     b, c = ex.trained_values(rows, "balance", 0.0), ex.trained_values(rows, "cap", 0.0)
     assert list(b[32]) == [3.0, 13.0, 23.0] and list(c[32]) == list(b[32])  # step 3, seeds 0, 1, 2
     assert list(ex.trained_values(rows, "cap", 0.0, step=0)[32]) == [0.0, 10.0, 20.0]
-    with pytest.raises(ValueError, match="renorm"):
+    with pytest.raises(ValueError, match="renormalize"):
         ex.trained_values(rows, "none", 0.0)
     with pytest.raises(ValueError, match="step"):
         ex.trained_values(rows, "cap", 0.0, step=2)
 
 
 def test_series_sorts_by_step_and_refuses_two_runs():
-    s, v = ex.series(_rows(), "excess", renorm="cap", seed=1)
+    s, v = ex.series(_rows(), "excess", renormalize="cap", seed=1)
     assert list(s) == [0, 1, 3] and list(v) == [10.0, 11.0, 13.0]
     with pytest.raises(ValueError, match="more than one run"):
-        ex.series(_rows(), "excess", renorm="cap")
+        ex.series(_rows(), "excess", renormalize="cap")
     with pytest.raises(ValueError, match="no rows"):
-        ex.series(_rows(), "excess", renorm="cap", seed=7)
+        ex.series(_rows(), "excess", renormalize="cap", seed=7)
 
 
 def test_prompt_residuals_group_the_chains():
@@ -267,7 +267,7 @@ def test_heavy_tail_rows_are_the_query_averaged_error_on_the_orbit():
     spec = next(s for s in ex.sweep("heavy_tail", quick=True).specs if s["include_self"] == 1)
     rows = ex._run_heavy_tail(spec)
     task, A, B = ex.heavy_tail_point()
-    Ac, Bc = al.orbit_to_scale(A, B, task, spec["scale"])
+    Ac, Bc = al.orbit_to_scale(A, B, task, spec["nu"])
     E = al.query_averaged_error(Ac, Bc, task, [spec["n"]], n_queries=spec["n_queries"], n_seeds=4, seed=2026,
                                 include_self=True)[0]  # fmt: skip
     assert [r["seed"] for r in rows] == [0, 1, 2, 3]
@@ -283,10 +283,10 @@ def test_heavy_tail_errors_group_by_n_in_seed_order(tmp_path):
     assert ns.tolist() == [64, 128] and E.shape == (2, 4)
     ns_self, E_self = ex.heavy_tail_errors(rows, 1.0, include_self=True)
     assert E_self.shape == (2, 4) and not np.allclose(E, E_self)
-    want = [r["error"] for r in sorted(rows, key=lambda r: r["seed"]) if r["scale"] == 1.0 and r["n"] == 128
+    want = [r["error"] for r in sorted(rows, key=lambda r: r["seed"]) if r["nu"] == 1.0 and r["n"] == 128
             and r["include_self"] == 0]  # fmt: skip
     assert E[1].tolist() == want
-    with pytest.raises(ValueError, match="scale"):
+    with pytest.raises(ValueError, match="nu"):
         ex.heavy_tail_errors(rows, 0.2, include_self=True)
 
 

@@ -286,7 +286,7 @@ def test_train_factored_bad_input_and_divergence():
         opt.train_factored(task, method="soap", d_h=2, steps=2, lr=0.1)
     with pytest.raises(ValueError, match="on_divergence"):
         opt.train_factored(task, method="gd", d_h=2, steps=2, lr=0.1, on_divergence="ignore")
-    h = opt.train_factored(task, method="gd", d_h=2, steps=50, lr=1e3)
+    h = opt.train_factored(task, method="gd", d_h=2, steps=50, lr=1e3, on_divergence="stop")
     assert h.diverged and np.all(np.isfinite(h.excess))
     with pytest.raises(FloatingPointError):
         opt.train_factored(task, method="gd", d_h=2, steps=50, lr=1e3, on_divergence="raise")

@@ -499,21 +499,23 @@ def steps_per_decade(mu: float) -> float:
 
 
 def gamma_design(
-    values_by_n: Dict[float, Sequence[float]], *, stat: str = "mean", truth: float = -1.0, scale: float = 2.0
+    values_by_n: Dict[float, Sequence[float]], *, stat: str = "mean", truth: float = -1.0, amplitude: float = 2.0
 ) -> Callable[[np.random.Generator], ExponentFit]:
     """A simulation of a sweep with independent seeds per ``n``, for :func:`coverage`.
 
     The design is read off the measured ``values_by_n``: the same ``n`` grid, ``S`` = the smallest
     number of seeds at any ``n``, and the per-seed dispersion as a Gamma law whose shape is
     ``1 / median_n(var / mean^2)``. One simulated sweep draws, at each ``n``, ``S`` values
-    ``scale n^truth G`` with ``G ~ Gamma(shape, 1/shape)`` (mean 1) and returns
+    ``amplitude n^truth G`` with ``G ~ Gamma(shape, 1/shape)`` (mean 1) and returns
     :func:`fit_exponent` of them with ``stat``; the true exponent is ``truth``.
     """
     vals = _check_values_by_n(values_by_n, min_n=3, min_size=3)
     if stat not in ("mean", "median"):
         raise ValueError(f"stat: expected 'mean' or 'median', got {stat!r}")
-    if not (math.isfinite(float(truth)) and float(scale) > 0):
-        raise ValueError(f"truth, scale: expected a finite exponent and a positive scale, got {truth!r}, {scale!r}")
+    if not (math.isfinite(float(truth)) and float(amplitude) > 0):
+        raise ValueError(
+            f"truth, amplitude: expected a finite exponent and a positive amplitude, got {truth!r}, {amplitude!r}"
+        )
     ns = np.array(list(vals))
     S = min(v.size for v in vals.values())
     cv2 = float(np.median([v.var() / v.mean() ** 2 for v in vals.values()]))
@@ -522,7 +524,7 @@ def gamma_design(
     shape = 1.0 / cv2
 
     def simulate(rng: np.random.Generator) -> ExponentFit:
-        return fit_exponent({n: scale * float(n) ** truth * rng.gamma(shape, 1 / shape, S) for n in ns}, stat=stat)
+        return fit_exponent({n: amplitude * float(n) ** truth * rng.gamma(shape, 1 / shape, S) for n in ns}, stat=stat)
 
     simulate.design = {"ns": ns, "seeds": S, "shape": shape, "truth": float(truth)}
     return simulate

@@ -22,8 +22,8 @@ Regime (i), ``n`` = the number of tokens of the one training sequence:
   sequences per ``n`` (16 .. 16384) and noise level (0, 0.1); every ``(n, noise, seed)`` has its
   own stream, so no sequence is a prefix of another;
 * ``trained``: Algorithm 1 for 80 steps (step 0.5) with the balancing renormalization (exactly
-  ``attnlib.train(method="structured")``) and with the capped one of ``attnlib.renorm``
-  (``kappa = 0.25``), noise 0 and 0.1 on independent sequences, 40 seeds per ``n`` (32 .. 1024);
+  ``attnlib.train(method="structured")``) and with the capped one (``renormalize="cap"``,
+  ``nu_cap = 0.25``), noise 0 and 0.1 on independent sequences, 40 seeds per ``n`` (32 .. 1024);
   rows at steps 0 (spectral initialization), 1, 2, 3, 5, 10, 20, 40, 60, 80; test loss on fresh
   sequences of length ``n`` at steps 0 and 80;
 * ``rate``: 300 steps recorded at every step (4 seeds, ``n`` = 128, 512, 1024, both renormalizations,
@@ -33,7 +33,7 @@ Regime (i), ``n`` = the number of tokens of the one training sequence:
 
 Regime (ii), ``n`` = context length, infinitely many prompts:
 
-* ``prompts``: ``attnlib.model.prompts.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
+* ``prompts``: ``attnlib.optim.run_chain`` on ``L_n`` for ``n`` = 16 .. 1024 (120 steps, the
   last 90 averaged), four softmax scales ``lambda_max(C^T C)`` (renormalizations ``cap`` 0.25,
   ``fix`` 0.375, ``fix`` 0.7 and ``balance``, which gives ``s_1(T) = 0.94`` for this task), 6
   independent chains each; a row per chain holds the averaged residual ``R`` (entries ``r0..``)
@@ -139,7 +139,7 @@ def _run_spectral(spec: dict) -> List[dict]:
                 seed=seed,
                 excess=float(task.excess_risk(A, B)),
                 dist=float(distance_to_manifold(A, B, task)),
-                scale=softmax_scale(A, B, task),
+                nu=softmax_scale(A, B, task),
             )
         )
     return rows
@@ -161,11 +161,11 @@ RECORD_STEPS = (0, 1, 2, 3, 5, 10, 20, 40, 60, 80)
 def _train(spec: dict, task: Task, X, Y, hooks=()):
     """Algorithm 1 on one sequence: the book's default (with the regularizer) for ``"balance"`` without
     hooks (the trained sweep), else without the regularizer and with the spec's renormalization."""
-    if spec["renorm"] == "balance" and not hooks:
+    if spec["renormalize"] == "balance" and not hooks:
         return train(X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), task=task, on_divergence="stop")
-    nu_cap = None if spec["renorm"] == "balance" else float(spec["kappa"])
+    nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
     return train(
-        X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), regularize=False, renormalize=spec["renorm"],
+        X, Y, steps=int(spec["steps"]), lr=float(spec["lr"]), regularize=False, renormalize=spec["renormalize"],
         nu_cap=nu_cap, task=task, hooks=hooks, on_divergence="stop",
     )  # fmt: skip
 
@@ -193,7 +193,7 @@ def _run_trained(spec: dict) -> List[dict]:
                 diverged=int(h.diverged),
             )
         )
-    rows[-1]["scale"] = softmax_scale(h.A, h.B, task)
+    rows[-1]["nu"] = softmax_scale(h.A, h.B, task)
     return rows
 
 
@@ -211,13 +211,13 @@ def _product_specs(run_id, axes: Dict, fixed, cost=None, after: Optional[dict] =
     return out
 
 
-def _cap(kappa):
+def _cap(nu_cap):
     """A renormalization's cap as written in a spec (``""`` for none)."""
-    return kappa if kappa is not None else ""
+    return nu_cap if nu_cap is not None else ""
 
 
 def _sequence_run_id(s: dict) -> str:
-    return f"{s['renorm']}:noise={s['noise_std']}:n={s['n']}:seed={s['seed']}"
+    return f"{s['renormalize']}:noise={s['noise_std']}:n={s['n']}:seed={s['seed']}"
 
 
 def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
@@ -225,7 +225,7 @@ def _trained_specs(configs, ns, seeds, steps=80, lr=0.5) -> List[dict]:
     return _product_specs(
         _sequence_run_id,
         {
-            ("renorm", "kappa", "noise_std"): [(r, _cap(k), float(z)) for r, k, z in configs],
+            ("renormalize", "nu_cap", "noise_std"): [(r, _cap(k), float(z)) for r, k, z in configs],
             "n": ns,
             "seed": range(seeds),
         },
@@ -280,7 +280,7 @@ def prompts_per_step(n: int, base: int = 16, n_ref: int = 256) -> int:
 
 def _run_chain(spec: dict) -> List[dict]:
     task = make_task(0.0)
-    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
+    nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
     res = run_chain(
         task,
         int(spec["n"]),
@@ -288,8 +288,8 @@ def _run_chain(spec: dict) -> List[dict]:
         burn_in=int(spec["burn_in"]),
         prompts=int(spec["prompts"]),
         lr=float(spec["lr"]),
-        renormalize=spec["mode"],
-        nu_cap=kappa,
+        renormalize=spec["renormalize"],
+        nu_cap=nu_cap,
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
         attention_dtype=spec.get("attention_dtype") or None,
     )
@@ -297,7 +297,7 @@ def _run_chain(spec: dict) -> List[dict]:
     row.update(
         naive_excess=res.naive_excess,
         test_excess=res.test_excess,
-        scale=res.nu,
+        nu=res.nu,
         last_excess=res.history.excess[-1],
         batches=res.batches,
     )
@@ -309,7 +309,11 @@ def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_d
     the attention part's dtype (:class:`attnlib.optim.PromptObjective`), kept in the spec."""
     return _product_specs(
         lambda s: f"{s['label']}:n={s['n']}:chain={s['chain']}",
-        {("label", "mode", "kappa"): [(lab, m, _cap(k)) for lab, m, k in scales], "n": ns, "chain": range(chains)},
+        {
+            ("label", "renormalize", "nu_cap"): [(lab, m, _cap(k)) for lab, m, k in scales],
+            "n": ns,
+            "chain": range(chains),
+        },
         lambda s: dict(steps=int(steps), burn_in=int(burn_in), prompts=prompts_per_step(s["n"]), lr=float(lr)),
         cost=lambda s: float(s["prompts"]) * s["n"] * s["n"] * steps,
         after={} if attention_dtype is None else dict(attention_dtype=str(attention_dtype)),
@@ -329,8 +333,8 @@ def _run_limit(spec: dict) -> List[dict]:
     task = make_task(spec["noise_std"])
     n, seed = int(spec["n"]), int(spec["seed"])
     X, Y = _sequence(task, "regime-i-trained", n, seed)  # the trained sweep's sequences: paired with it
-    kappa = None if spec["renorm"] == "balance" else float(spec["kappa"])
-    g = SequenceMap(X, Y, float(spec["lr"]), renormalize=spec["renorm"], nu_cap=kappa)
+    nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
+    g = SequenceMap(X, Y, float(spec["lr"]), renormalize=spec["renormalize"], nu_cap=nu_cap)
     v = g.from_params(*spectral_init(X, Y))
     its = g.iterate(v, max(LIMIT_RECORD))
     row = {f"excess_{m}": float(task.excess_risk(*g.to_params(its[m]))) for m in LIMIT_RECORD}
@@ -366,7 +370,7 @@ def _limit_specs(ns_seeds, renorms=(("balance", None),), noises=(0.0,), lr=0.5) 
     return _product_specs(
         _sequence_run_id,
         {
-            ("renorm", "kappa"): [(r, _cap(k)) for r, k in renorms],
+            ("renormalize", "nu_cap"): [(r, _cap(k)) for r, k in renorms],
             "noise_std": [float(z) for z in noises],
             ("n", "seed"): [(int(n), s) for n, seeds in ns_seeds for s in range(seeds)],
         },
@@ -383,7 +387,7 @@ LIMIT_DESIGN = ((64, 40), (256, 40), (1024, 24))
 
 def _law_chain(spec: dict, task: Task, seed: int, init):
     """One regime-(ii) chain of a ``law`` run (:func:`attnlib.optim.run_chain` with the spec's ``n``, ``prompts``,
-    ``steps``, ``lr``, ``mode`` and ``kappa``) from ``init`` on the prompt stream ``seed``; the residual
+    ``steps``, ``lr``, ``renormalize`` and ``nu_cap``) from ``init`` on the prompt stream ``seed``; the residual
     ``A Sigma B^T - M`` at every step (a hook)."""
     Es = []
 
@@ -391,10 +395,10 @@ def _law_chain(spec: dict, task: Task, seed: int, init):
         with torch.no_grad():
             Es.append((A.detach() @ task.Sigma @ B.detach().T - task.M).detach())
 
-    nu_cap = None if spec["mode"] == "balance" else float(spec["kappa"])
+    nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
     steps = int(spec["steps"])
     cfg = ChainConfig(steps=steps, burn_in=0, prompts=int(spec["prompts"]), lr=float(spec["lr"]), seed=seed, init=init,
-                      renormalize=spec["mode"], nu_cap=nu_cap, record_every=steps)  # fmt: skip
+                      renormalize=spec["renormalize"], nu_cap=nu_cap, record_every=steps)  # fmt: skip
     run_chain(task, int(spec["n"]), cfg, hooks=(residual,))
     return Es
 
@@ -446,11 +450,11 @@ def _run_law(spec: dict) -> List[dict]:
     return rows
 
 
-def _law_specs(scale, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
-    """Pairs of chains per ``n`` and start, at the renormalization ``scale = (label, mode, kappa)`` (an entry
+def _law_specs(renormalization, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=False) -> List[dict]:
+    """Pairs of chains per ``n`` and start, at the renormalization ``(label, renormalize, nu_cap)`` (an entry
     of the form of ``PROMPT_SCALES``): P-distance ``radius`` for each of ``radii``, then (``spectral``)
     the spectral initialization from the first prompts (``radius`` empty, ``start=spectral`` in the name)."""
-    label, mode, kappa = scale
+    label, mode, nu_cap = renormalization
     starts = [float(r) for r in radii] + (["spectral"] if spectral else [])
     return [
         dict(
@@ -458,8 +462,8 @@ def _law_specs(scale, ns, pairs, steps=80, radii=(0.1, 0.5), lr=0.5, spectral=Fa
             if radius != "spectral"
             else f"{label}:n={n}:start=spectral:pair={p}",
             label=label,
-            mode=mode,
-            kappa=kappa if kappa is not None else "",
+            renormalize=mode,
+            nu_cap=nu_cap if nu_cap is not None else "",
             n=int(n),
             pair=int(p),
             radius=radius if radius != "spectral" else "",
@@ -480,7 +484,7 @@ BEST_SCALE = (("cap0.145", "cap", 0.145),)
 
 #: The whole-law sweep's design: light tails (cap 1/4), n = 64, 128, 256, starts at P-distance 0.1
 #: and 0.5 and the spectral initialization from the first prompts, 16 pairs of chains each.
-LAW_DESIGN = dict(scale=PROMPT_SCALES[0], ns=(64, 128, 256), pairs=16, spectral=True)
+LAW_DESIGN = dict(renormalization=PROMPT_SCALES[0], ns=(64, 128, 256), pairs=16, spectral=True)
 
 #: The light-tailed sweep extended beyond n = 1024 (issue 21): the cap 1/4 at n = 2048 (8 chains) and
 #: 4096 (12 chains), float32 attention (the moment kernel; benchmarks/prompts_engines.md), chains sized
@@ -492,19 +496,33 @@ def _large_specs(design=LARGE_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[di
     return [s for ns, chains in design for s in _prompt_specs(scales, ns, chains, attention_dtype="float32", **kw)]
 
 
+#: The other light-tailed scale beyond n = 1024 (issue 21): ``fix0.375`` (balance, then move along the
+#: orbit to nu = 0.375, as in the ``prompts`` sweep) with the design of ``prompts_large``.
+LARGE_FIX_SCALES = PROMPT_SCALES[1:2]
+
+#: float32 against float64 attention (issue 21): chains of ``prompts_large`` (the cap 1/4, the same labels,
+#: hence the same seeds and prompts), all 8 at n = 2048 and the first 4 of 12 at n = 4096, rerun with
+#: float64 attention, to pair with them.
+PRECISION_DESIGN = (((2048,), 8), ((4096,), 4))
+
+
+def _precision_specs(design=PRECISION_DESIGN, scales=PROMPT_SCALES[:1], **kw) -> List[dict]:
+    return [s for ns, chains in design for s in _prompt_specs(scales, ns, chains, attention_dtype="float64", **kw)]
+
+
 # ----------------------------------------------------------------------------- the sweeps
 
 _TRAINED_CONFIGS = (("balance", None, 0.0), ("balance", None, 0.1), ("cap", 0.25, 0.0), ("cap", 0.25, 0.1))
 
 #: The spec columns of the regime-(i) sweeps on one sequence (``trained``, ``rate``).
-_SEQUENCE_SPEC = ("renorm", "kappa", "noise_std", "n", "seed", "steps", "lr")
+_SEQUENCE_SPEC = ("renormalize", "nu_cap", "noise_std", "n", "seed", "steps", "lr")
 #: The spec columns and the columns of the regime-(ii) chain sweeps (``prompts``, ``prompts_best``,
 #: ``prompts_large``, which adds ``attention_dtype``): one row per chain, its averaged residual ``r0..``.
-_CHAIN_SPEC = ("label", "mode", "kappa", "n", "chain", "steps", "burn_in", "prompts", "lr")
+_CHAIN_SPEC = ("label", "renormalize", "nu_cap", "n", "chain", "steps", "burn_in", "prompts", "lr")
 _CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
     "naive_excess",
     "test_excess",
-    "scale",
+    "nu",
     "last_excess",
     "batches",
 )
@@ -516,14 +534,14 @@ SWEEPS: Dict[str, dict] = {
     "spectral": dict(
         func=_run_spectral,
         spec_columns=("n", "noise_std"),
-        columns=("seed", "excess", "dist", "scale"),
+        columns=("seed", "excess", "dist", "nu"),
         full=lambda: _spectral_specs([2**i for i in range(4, 15)], (0.0, 0.1), 400),
         quick=lambda: _spectral_specs((16, 64, 256), (0.0, 0.1), 20),
     ),
     "trained": dict(
         func=_run_trained,
         spec_columns=_SEQUENCE_SPEC,
-        columns=("step", "excess", "dist", "objective", "test_loss", "diverged", "scale"),
+        columns=("step", "excess", "dist", "objective", "test_loss", "diverged", "nu"),
         full=lambda: _trained_specs(_TRAINED_CONFIGS, [2**i for i in range(5, 11)], 40),
         quick=lambda: _trained_specs((("balance", None, 0.1), ("cap", 0.25, 0.1)), (32, 64), 2, steps=5),
     ),
@@ -545,7 +563,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "limit": dict(
         func=_run_limit,
-        spec_columns=("renorm", "kappa", "noise_std", "n", "seed", "lr"),
+        spec_columns=("renormalize", "nu_cap", "noise_std", "n", "seed", "lr"),
         columns=tuple(f"excess_{m}" for m in LIMIT_RECORD)
         + (
             "excess_limit",
@@ -581,9 +599,47 @@ SWEEPS: Dict[str, dict] = {
         full=lambda: _large_specs(),
         quick=lambda: _large_specs((((16,), 3),), steps=12, burn_in=4),
     ),
+    "prompts_large_fix": dict(
+        func=_run_chain,
+        spec_columns=(
+            "label",
+            "renormalize",
+            "nu_cap",
+            "n",
+            "chain",
+            "steps",
+            "burn_in",
+            "prompts",
+            "lr",
+            "attention_dtype",
+        ),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "nu", "last_excess", "batches"),
+        full=lambda: _large_specs(scales=LARGE_FIX_SCALES),
+        quick=lambda: _large_specs((((16,), 3),), scales=LARGE_FIX_SCALES, steps=12, burn_in=4),
+    ),
+    "prompts_float64": dict(
+        func=_run_chain,
+        spec_columns=(
+            "label",
+            "renormalize",
+            "nu_cap",
+            "n",
+            "chain",
+            "steps",
+            "burn_in",
+            "prompts",
+            "lr",
+            "attention_dtype",
+        ),
+        columns=tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"]))
+        + ("naive_excess", "test_excess", "nu", "last_excess", "batches"),
+        full=lambda: _precision_specs(),
+        quick=lambda: _precision_specs((((16,), 3),), steps=12, burn_in=4),
+    ),
     "law": dict(
         func=_run_law,
-        spec_columns=("label", "mode", "kappa", "n", "pair", "radius", "steps", "prompts", "lr"),
+        spec_columns=("label", "renormalize", "nu_cap", "n", "pair", "radius", "steps", "prompts", "lr"),
         columns=("step", "excess_on", "excess_pert", "gap", "cross"),
         full=lambda: _law_specs(**LAW_DESIGN),
         quick=lambda: _law_specs(PROMPT_SCALES[0], (16,), 2, steps=5, radii=(0.1,), spectral=True),
@@ -613,15 +669,15 @@ def values_by_n(rows, column: str = "excess", **where) -> Dict[int, np.ndarray]:
     return {n: np.array(v) for n, v in sorted(out.items())}
 
 
-def trained_values(rows, renorm: str, noise_std: float, *, step: Optional[int] = None, column: str = "excess"):
+def trained_values(rows, renormalize: str, noise_std: float, *, step: Optional[int] = None, column: str = "excess"):
     """``{n: values over the seeds}`` of ``column`` in the ``trained`` sweep for one renormalization and noise level.
 
     ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
     initialization). The values of each ``n`` are in seed order, so two calls pair up seed by seed.
     """
-    sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
+    sel = [r for r in rows if r["renormalize"] == renormalize and float(r["noise_std"]) == float(noise_std)]
     if not sel:
-        raise ValueError(f"renorm, noise_std: no runs with renorm = {renorm!r}, noise_std = {noise_std}")
+        raise ValueError(f"renormalize, noise_std: no runs with renormalize = {renormalize!r}, noise_std = {noise_std}")
     last = max(int(r["step"]) for r in sel)
     st = last if step is None else int(step)
     sel = sorted((r for r in sel if int(r["step"]) == st), key=lambda r: (int(r["n"]), int(r["seed"])))
@@ -632,7 +688,7 @@ def trained_values(rows, renorm: str, noise_std: float, *, step: Optional[int] =
 
 def series(rows, column: str, **where):
     """``(steps, values)`` of ``column`` along one run: the rows matching every ``key=value`` in ``where``,
-    sorted by ``step`` (e.g. ``series(rows, "orbit_dist", renorm="cap", n=512, seed=0)``).
+    sorted by ``step`` (e.g. ``series(rows, "orbit_dist", renormalize="cap", n=512, seed=0)``).
 
     Raises ``ValueError`` when no row matches or when a step occurs twice (``where`` does not pick one run).
     """
@@ -652,7 +708,7 @@ def fit_floor(
     rows,
     noise_std: float,
     *,
-    renorm: str = "balance",
+    renormalize: str = "balance",
     step: Optional[int] = None,
     stat: str = "mean",
     level: float = 0.95,
@@ -663,9 +719,9 @@ def fit_floor(
     ``step``: the recorded step (default: the last, the trained floor; 0 is the spectral
     initialization). ``stat``: fit the per-``n`` mean or median (``attnlib.analysis.stats.fit_exponent``).
     """
-    sel = [r for r in rows if r["renorm"] == renorm and float(r["noise_std"]) == float(noise_std)]
+    sel = [r for r in rows if r["renormalize"] == renormalize and float(r["noise_std"]) == float(noise_std)]
     if not sel:
-        raise ValueError(f"noise_std, renorm: no runs with noise_std = {noise_std}, renorm = {renorm!r}")
+        raise ValueError(f"noise_std, renormalize: no runs with noise_std = {noise_std}, renormalize = {renormalize!r}")
     last = max(int(r["step"]) for r in sel)
     st = last if step is None else int(step)
     vals = values_by_n([r for r in sel if int(r["step"]) == st], "excess")
@@ -1099,7 +1155,7 @@ def heavy_tail_point():
 
 def _run_heavy_tail(spec: dict) -> List[dict]:
     task, A, B = heavy_tail_point()
-    Ac, Bc = orbit_to_scale(A, B, task, float(spec["scale"]))
+    Ac, Bc = orbit_to_scale(A, B, task, float(spec["nu"]))
     E = query_averaged_error(
         Ac,
         Bc,
@@ -1118,7 +1174,7 @@ def _heavy_tail_specs(scales, self_scales, ns, seeds, n_queries, seed) -> List[d
     return [
         dict(
             run=f"scale={float(c)!r}:self={flag}:n={int(n)}",
-            scale=float(c),
+            nu=float(c),
             include_self=flag,
             n=int(n),
             n_queries=int(n_queries),
@@ -1132,27 +1188,27 @@ def _heavy_tail_specs(scales, self_scales, ns, seeds, n_queries, seed) -> List[d
     ]
 
 
-def heavy_tail_errors(rows, scale: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-    """The block of ``heavy_tail`` rows at one softmax ``scale``: ``(ns, errors)``.
+def heavy_tail_errors(rows, nu: float, *, include_self: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The block of ``heavy_tail`` rows at one softmax scale ``nu``: ``(ns, errors)``.
 
     ``ns`` is sorted; ``errors`` has shape ``(len(ns), n_seeds)`` with the sequences in the order of
     their draw index (the input of :func:`attnlib.analysis.stats.fit_error_exponent`). Raises ``ValueError``
-    if there are no rows for ``scale`` or the lengths have different numbers of sequences.
+    if there are no rows for ``nu`` or the lengths have different numbers of sequences.
     """
     flag = int(bool(include_self))
-    sel = [r for r in rows if r["scale"] == float(scale) and r["include_self"] == flag]
+    sel = [r for r in rows if r["nu"] == float(nu) and r["include_self"] == flag]
     if not sel:
-        raise ValueError(f"scale: no rows with scale {scale!r} and include_self={bool(include_self)}")
+        raise ValueError(f"nu: no rows with nu {nu!r} and include_self={bool(include_self)}")
     ns = sorted({int(r["n"]) for r in sel})
     by_n = {n: [r["error"] for r in sorted((r for r in sel if r["n"] == n), key=lambda r: r["seed"])] for n in ns}
     if len({len(v) for v in by_n.values()}) != 1:
-        raise ValueError(f"rows: the lengths at scale {scale!r} have different numbers of sequences")
+        raise ValueError(f"rows: the lengths at nu {nu!r} have different numbers of sequences")
     return np.array(ns), np.array([by_n[n] for n in ns])
 
 
 SWEEPS["heavy_tail"] = dict(
     func=_run_heavy_tail,
-    spec_columns=("scale", "include_self", "n", "n_queries"),
+    spec_columns=("nu", "include_self", "n", "n_queries"),
     columns=("seed", "error"),
     full=lambda: _heavy_tail_specs(**HEAVY_TAIL_DESIGN),
     quick=lambda: _heavy_tail_specs((0.2, 1.0), (1.0,), (64, 128), 4, 64, HEAVY_TAIL_DESIGN["seed"]),

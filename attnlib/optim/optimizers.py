@@ -311,20 +311,20 @@ def factored_product(WQ, WK, WV, WO) -> tuple:
     return WO @ WV, WQ.T @ WK
 
 
-def factored_start(task: Task, d_h: int, *, scale: float = 0.5, seed: int = 0) -> tuple:
+def factored_start(task: Task, d_h: int, *, std: float = 0.5, seed: int = 0) -> tuple:
     r"""A random start ``(W_Q, W_K, W_V, W_O)`` with head dimension ``d_h`` (value dimension ``d_h`` too).
 
-    Entries of the whitened factors ``Wt_Q, Wt_K, Wt_V`` and of ``W_O`` are ``scale`` times standard normal
+    Entries of the whitened factors ``Wt_Q, Wt_K, Wt_V`` and of ``W_O`` are ``std`` times standard normal
     (seeded); ``W = Wt Sigma^{-1/2}``. The start in the whitened coordinates is the same for every ``Sigma`` with the
     same seed.
     """
     d_h = check_positive_int(d_h, "d_h")
-    scale = check_nonneg_float(scale, "scale", positive=True)
+    std = check_nonneg_float(std, "std", positive=True)
     g = torch.Generator().manual_seed(int(seed))
     f64 = torch.float64
     d, k = task.d, task.k
-    Wt = [scale * torch.randn(d_h, d, generator=g, dtype=f64) for _ in range(3)]
-    WO = scale * torch.randn(k, d_h, generator=g, dtype=f64)
+    Wt = [std * torch.randn(d_h, d, generator=g, dtype=f64) for _ in range(3)]
+    WO = std * torch.randn(k, d_h, generator=g, dtype=f64)
     ev, Q = torch.linalg.eigh(task.Sigma.to("cpu", f64))
     inv_half = (Q * ev.rsqrt()) @ Q.T
     out = [W @ inv_half for W in Wt] + [WO]
@@ -395,8 +395,8 @@ def _factored_update(o, params, e, S_inv, method: str, lr: float, t: int) -> Non
 
 
 def train_factored(
-    task: Task, *, method: str, d_h: int, steps: int, lr: float, seed: int = 0, scale: float = 0.5,
-    on_divergence: str = "stop",
+    task: Task, *, method: str, d_h: int, steps: int, lr: float, seed: int = 0, init_std: float = 0.5,
+    on_divergence: str = "raise",
 ) -> History:  # fmt: skip
     r"""Train the four factors on the population objective with one of :data:`FACTOR_METHODS` (a loop over torch.optim).
 
@@ -415,10 +415,10 @@ def train_factored(
         raise ValueError(f"on_divergence: expected 'raise' or 'stop', got {on_divergence!r}")
     steps = check_positive_int(steps, "steps")
     lr = check_nonneg_float(lr, "lr", positive=True)
-    params = [W.clone().requires_grad_(True) for W in factored_start(task, d_h, scale=scale, seed=seed)]
+    params = [W.clone().requires_grad_(True) for W in factored_start(task, d_h, std=init_std, seed=seed)]
     o = _factored_optimizer(method, params, lr)
     S_inv = torch.linalg.inv(as_covariance(task)) if method == "structured" else None
-    h = History(method=f"factored:{method}", config=dict(d_h=int(d_h), lr=lr, seed=int(seed), scale=scale))
+    h = History(method=f"factored:{method}", config=dict(d_h=int(d_h), lr=lr, seed=int(seed), init_std=init_std))
     last = [W.detach().clone() for W in params]
     t0 = time.perf_counter()
     for t in range(steps + 1):
