@@ -1,4 +1,4 @@
-"""attnlib.optimizers: practitioners' optimizers as step rules of the one training loop, and their measures."""
+"""attnlib.optim.optimizers: practitioners' optimizers as step rules of the one training loop, and their measures."""
 
 import math
 

@@ -803,9 +803,9 @@ def fit_prompt_exponent(rows, label: str, *, n_min=None, n_max=None, level: floa
 
 # ----------------------------------------------------------------------------- chapter 7: optimizers
 #
-# ``optimizers``: practitioners' optimizers (attnlib.optimizers) against the structured method on the
+# ``optimizers``: practitioners' optimizers (attnlib.optim.optimizers) against the structured method on the
 # population objective. One run = one (method, cond(Sigma), tokens, start, seed) with its whole step-size
-# grid (attnlib.optimizers.grid_search: log grid, extended until the selected step is interior); one row
+# grid (attnlib.optim.grid.grid_search: log grid, extended until the selected step is interior); one row
 # per step size of the final grid, ``selected`` marks the chosen one. Task: d = 4, k = 2, ||T||_F = 1,
 # noise 0.1, Task.random seed = ``seed``; starts: ``near`` (a random point of the manifold of minima moved
 # by P-norm OPT_NEAR_RADIUS) and ``saddle`` (random_init, scale 1e-2, next to the saddle at 0).
@@ -874,7 +874,7 @@ def run_optimizer(spec: dict, lr: float, *, on_divergence: str = "stop", record_
 
 
 def _grid_rows(res: dict, score: str, measure) -> List[dict]:
-    """One row per step size of a grid search (``attnlib.optimizers.grid_search``): ``lr``, its score (column
+    """One row per step size of a grid search (``attnlib.optim.grid.grid_search``): ``lr``, its score (column
     ``score``, NaN where the run diverged), ``diverged``, ``selected``, ``position``, and at the selected step
     the columns of ``measure(lr, history)``."""
     rows = []
@@ -1012,11 +1012,11 @@ SWEEPS["optimizers_sequence"] = dict(
 )
 
 
-# ``optimizers_factored``: the four-factor parameterization (attnlib.optimizers.train_factored: B = W_Q^T W_K,
+# ``optimizers_factored``: the four-factor parameterization (attnlib.optim.optimizers.train_factored: B = W_Q^T W_K,
 # A = W_O W_V, head dimension d_h = d or d_h = rank(T)) on the population objective, from a random start
-# (attnlib.optimizers.factored_start, scale 0.5 in the whitened coordinates, the same for every cond(Sigma)),
+# (attnlib.optim.optimizers.factored_start, std 0.5 in the whitened coordinates, the same for every cond(Sigma)),
 # OPT_FACTOR_STEPS steps, step size from a half-decade log grid extended until interior (selection: mean log10
-# excess, attnlib.optimizers.log_excess_score). One row per step size; ``selected`` marks the chosen one.
+# excess, attnlib.optim.grid.log_excess_score). One row per step size; ``selected`` marks the chosen one.
 OPT_FACTOR_GRIDS: Dict[str, tuple] = {
     "structured": (-1.5, 0.0),
     "gd": (-1.5, 0.0),
@@ -1078,7 +1078,7 @@ SWEEPS["optimizers_factored"] = dict(
 
 
 # ``optimizers_prompts``: regime (ii) (context length OPT_PROMPT_N, OPT_PROMPT_BATCH fresh prompts every step,
-# attnlib.optimizers.train_prompts) for five of the methods, from the start near the manifold, OPT_PROMPT_STEPS
+# attnlib.optim.train_prompts) for five of the methods, from the start near the manifold, OPT_PROMPT_STEPS
 # steps; the step size is selected by the loss of the finite layer on OPT_PROMPT_HELDOUT fresh prompts that no run
 # trains on (the same prompts for every step size: a criterion that cannot reward overfitting), and the selected run
 # is evaluated on OPT_PROMPT_HELDOUT other fresh prompts. ``train_minus_bayes``: the mean training loss of the last

@@ -111,7 +111,8 @@ def _pytorch_optimizer():
     try:
         import pytorch_optimizer
     except ImportError as exc:  # pragma: no cover - pinned in requirements.txt
-        raise ImportError("attnlib.optimizers needs pytorch-optimizer (pip install pytorch-optimizer==4.1.0)") from exc
+        msg = "attnlib.optim.optimizers needs pytorch-optimizer (pip install pytorch-optimizer==4.1.0)"
+        raise ImportError(msg) from exc
     return pytorch_optimizer
 
 
