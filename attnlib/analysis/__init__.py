@@ -10,3 +10,14 @@
 
 These modules import the model, the geometry and the optimization packages, never the experiments.
 """
+
+import importlib
+
+_SUBMODULES = {'landscape', 'theory', 'fixedpoint', 'stats'}
+
+
+def __getattr__(name):
+    """The submodules, imported on first use (``attnlib.analysis.stats``)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,3 +10,14 @@
 
 These modules import only the foundation (``attnlib._validate``, ``rng``, ``linalg``, ``runtime``).
 """
+
+import importlib
+
+_SUBMODULES = {'finite_n', 'prompts', 'kernels', 'layer', 'task'}
+
+
+def __getattr__(name):
+    """The submodules, imported on first use (``attnlib.model.task``)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
