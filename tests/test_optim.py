@@ -385,3 +385,38 @@ def test_hooks_are_composed_not_subclassed(data):
     h = al.train(X, Y, steps=6, lr=0.3, record_every=2, hooks=(snaps, lambda t, A, B, loss, rec: seen.append(t)))
     assert seen == list(range(7)) and len(snaps.iterates) == len(h.steps) == 4
     assert torch.equal(snaps.iterates[-1][0], h.A)
+
+
+def test_sigma_is_checked_and_factorized_once_per_run_not_per_step(data, monkeypatch):
+    """Validate once: the number of SPD checks and matrix square roots does not grow with the steps."""
+    import attnlib._validate as validate
+    import attnlib.geometry as geometry
+    import attnlib.linalg as linalg
+    import attnlib.model.task as task_module
+
+    task, X, Y = data
+    counts = {}
+
+    def counted(name, f):
+        def g(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return f(*a, **k)
+
+        return g
+
+    for mod in (linalg, geometry, task_module, validate):
+        for name in ("sym_sqrt", "sym_inv_sqrt", "check_spd"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
+    runs = {}
+    for steps in (5, 25):
+        fresh = al.Task(task.Sigma, task.M, task.noise_std)  # no square roots cached yet
+        counts.clear()
+        al.train(X, Y, steps=steps, lr=0.3, task=fresh)
+        runs[("train", steps)] = dict(counts)
+        fresh = al.Task(task.Sigma, task.M, task.noise_std)
+        counts.clear()
+        al.run_chain(fresh, 16, steps=steps, burn_in=1, prompts=2, seed=0, renormalize="cap", nu_cap=0.25)
+        runs[("chain", steps)] = dict(counts)
+    assert runs[("train", 5)] == runs[("train", 25)] and runs[("chain", 5)] == runs[("chain", 25)], runs
+    assert sum(runs[("train", 25)].values()) <= 12, runs
