@@ -80,3 +80,26 @@ def test_html_table_outputs_become_latex_tables():
     assert len(list(table.findall(nodes.row))) == 3 and len(list(table.findall(nodes.entry))) == 6
     assert parse_table("<p>no table</p>") is None
     assert parse_table("<table><tr><td>1</td></tr><tr><td>1</td><td>2</td></tr></table>") is None  # ragged
+
+
+@pytest.mark.slow
+def test_one_numbering_scheme_per_chapter(built_book):
+    """Chapters are numbered 1..7 across the parts, and every numbered figure, proposition, lemma, theorem,
+    definition and table of chapter k carries k.j (figure 6.3, proposition 6.1); exercises are titled k.j too."""
+    import re
+    from pathlib import Path
+
+    html, _, _ = built_book
+    chapters = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "book").glob("ch*.ipynb"))
+    caption = re.compile(r'<span class="caption-number">([A-Za-z.]+) (\d+)(?:\.(\d+))? ')
+    for k, chapter in enumerate(chapters, start=1):
+        page = (html / "book" / f"{chapter}.html").read_text()
+        assert f'<span class="section-number">{k}. </span>' in page, chapter
+        labels = caption.findall(page)
+        assert any(kind == "Fig." for kind, _, _ in labels), chapter
+        wrong = sorted({f"{kind} {a}.{b}" if b else f"{kind} {a}" for kind, a, b in labels if not b or int(a) != k})
+        assert not wrong, f"{chapter}: numbers not of chapter {k}: {wrong[:8]}"
+        exercises = re.findall(r"Exercise</span>\s*<span[^>]*>\s*\(?(\d+)\.(\d+)", page) or re.findall(
+            r"Exercise (\d+)\.(\d+)", page
+        )
+        assert all(int(a) == k for a, _ in exercises), f"{chapter}: exercises {exercises[:4]}"
