@@ -37,25 +37,9 @@ import numpy as np
 
 def _run(spec, engine, dtype):
     from attnlib import experiments as ex
-    from attnlib.optim import run_chain
-    from attnlib.rng import derive_seed
 
-    task = ex.make_task(0.0)
-    kappa = None if spec["mode"] == "balance" else float(spec["kappa"])
     t0 = time.process_time()
-    res = run_chain(
-        task,
-        int(spec["n"]),
-        steps=int(spec["steps"]),
-        burn_in=int(spec["burn_in"]),
-        prompts=int(spec["prompts"]),
-        lr=float(spec["lr"]),
-        renormalize=spec["mode"],
-        nu_cap=kappa,
-        seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
-        engine=engine,
-        attention_dtype=dtype,
-    )
+    res = ex.chain_of_spec(spec, engine=engine, attention_dtype=dtype)
     return dict(R=res.R.ravel().tolist(), cpu_s=time.process_time() - t0, naive=res.naive_excess)
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "make_task",
     "SWEEPS",
     "sweep",
+    "chain_of_spec",
     "read_sweep",
     "HEAVY_TAIL_TASK",
     "HEAVY_TAIL_DESIGN",
@@ -278,12 +279,11 @@ def prompts_per_step(n: int, base: int = 16, n_ref: int = 256) -> int:
     return int(base * max(1, n_ref // int(n)))
 
 
-def _run_chain(spec: dict) -> List[dict]:
-    task = make_task(0.0)
+def chain_of_spec(spec: dict, **options):
+    """The chain of one spec of a regime-(ii) chain sweep (:func:`attnlib.optim.run_chain` on the sweeps' task,
+    with the spec's seed stream); ``options`` override the config (e.g. ``engine``, ``attention_dtype``)."""
     nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
-    res = run_chain(
-        task,
-        int(spec["n"]),
+    config = dict(
         steps=int(spec["steps"]),
         burn_in=int(spec["burn_in"]),
         prompts=int(spec["prompts"]),
@@ -293,6 +293,11 @@ def _run_chain(spec: dict) -> List[dict]:
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
         attention_dtype=spec.get("attention_dtype") or None,
     )
+    return run_chain(make_task(0.0), int(spec["n"]), **{**config, **options})
+
+
+def _run_chain(spec: dict) -> List[dict]:
+    res = chain_of_spec(spec)
     row = {f"r{i}": float(v) for i, v in enumerate(res.R.ravel())}
     row.update(
         naive_excess=res.naive_excess,
