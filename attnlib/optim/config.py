@@ -193,11 +193,11 @@ def make_config(cls, config=None, options=None):
     if unknown:
         raise ValueError(f"{unknown[0]}: not a field of {cls.__name__} (expected one of {sorted(names)})")
     if config is None:
-        try:
-            return cls(**options)
-        except TypeError as exc:  # a missing required field
-            missing = str(exc).split("argument: ")[-1].split("'")[1] if "'" in str(exc) else str(exc)
-            raise ValueError(f"{missing}: required by {cls.__name__}") from None
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in options]
+        if missing:
+            raise ValueError(f"{missing[0]}: required by {cls.__name__}")
+        return cls(**options)
     if not isinstance(config, cls):
         raise ValueError(f"config: expected an attnlib.optim.{cls.__name__}, got {type(config).__name__}")
     return dataclasses.replace(config, **options)
