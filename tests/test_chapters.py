@@ -13,11 +13,30 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-CHAPTERS = sorted(p.name for p in BOOK.glob("ch*.ipynb"))
 PAGES = [p for p in BOOK.glob("*.md")]
+
+
+def _toc_chapters():
+    """``{chapter notebook: [its section notebooks, in reading order]}`` from ``_toc.yml``."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    out = {}
+    for part in toc["parts"]:
+        for entry in part["chapters"]:
+            name = Path(entry["file"]).name
+            if name.startswith("ch"):
+                out[name + ".ipynb"] = [Path(s["file"]).name + ".ipynb" for s in entry.get("sections", [])]
+    return out
+
+
+#: the chapters (their first pages) and their section pages, each its own notebook
+TOC = _toc_chapters()
+CHAPTERS = list(TOC)
+#: every chapter and section notebook
+NOTEBOOKS = sorted(p.name for p in BOOK.glob("ch*.ipynb"))
 
 #: British -is- forms of the words the book uses (initialisation, minimiser, normalised, ...)
 BRITISH = re.compile(
@@ -42,6 +61,19 @@ def _markdown(name):
 
 def test_chapters_are_found():
     assert len(CHAPTERS) == 7, CHAPTERS
+    listed = CHAPTERS + [s for sections in TOC.values() for s in sections]
+    assert sorted(listed) == NOTEBOOKS, f"notebooks in book/ and pages in _toc.yml differ: {set(listed) ^ set(NOTEBOOKS)}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_sections_belong_to_their_chapter(chapter):
+    """A section's notebook is named after its chapter (``ch5_algorithm_geometric.ipynb``) and opens
+    with its title; only a chapter's first page carries the opening box."""
+    for section in TOC[chapter]:
+        assert section.startswith(chapter.removesuffix(".ipynb") + "_"), f"{section}: not named after {chapter}"
+        first = _text(_cells(section)[0])
+        assert first.startswith("# "), f"{section}: the first cell should be the page title"
+        assert "{admonition} In this chapter" not in _markdown(section), f"{section}: a second opening box"
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -61,16 +93,22 @@ def test_opening_admonition(chapter):
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_summary_before_exercises(chapter):
-    headings = [line for line in _markdown(chapter).splitlines() if line.startswith("## ")]
-    assert "## Summary: what this chapter measured" in headings, f"{chapter}: no summary section"
-    assert "## Exercises" in headings, f"{chapter}: no exercises"
+    """The chapter's last page ends its body with the summary, then the exercises; no other page of
+    the chapter has either."""
+    last, *others = ([chapter] + TOC[chapter])[::-1]
+    headings = [line for line in _markdown(last).splitlines() if line.startswith("## ")]
+    assert "## Summary: what this chapter measured" in headings, f"{last}: no summary section"
+    assert "## Exercises" in headings, f"{last}: no exercises"
     assert headings.index("## Summary: what this chapter measured") < headings.index("## Exercises")
+    for page in others:
+        text = _markdown(page)
+        assert "## Exercises" not in text and "## Summary: what" not in text, f"{page}: summary or exercises before the last page"
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS)
+@pytest.mark.parametrize("chapter", NOTEBOOKS)
 def test_figures_are_numbered_captioned_and_referenced(chapter):
     prefix = "fig-" + chapter.split("_")[0] + "-"
-    book_text = "\n".join(_markdown(c) for c in CHAPTERS) + "\n".join(p.read_text() for p in PAGES)
+    book_text = "\n".join(_markdown(c) for c in NOTEBOOKS) + "\n".join(p.read_text() for p in PAGES)
     names = []
     for cell in _cells(chapter):
         if cell["cell_type"] != "code":
@@ -86,11 +124,11 @@ def test_figures_are_numbered_captioned_and_referenced(chapter):
         assert "ap.check_labelled(fig)" in _text(cell), f"{where}: axes labels are not checked"
         assert f"{{numref}}`{fig['name']}`" in book_text, f"{where}: no {{numref}} to {fig['name']}"
         names.append(fig["name"])
-    assert names, f"{chapter}: no figures"
+    assert names or chapter not in CHAPTERS, f"{chapter}: no figures"
     assert len(set(names)) == len(names), f"{chapter}: repeated figure names {names}"
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS)
+@pytest.mark.parametrize("chapter", NOTEBOOKS)
 def test_markers_are_tags_and_counts_are_consecutive(chapter):
     code = [c for c in _cells(chapter) if c["cell_type"] == "code"]
     for cell in code:
@@ -99,7 +137,7 @@ def test_markers_are_tags_and_counts_are_consecutive(chapter):
     assert counts == list(range(1, len(code) + 1)), f"{chapter}: execution counts are not 1..{len(code)}"
 
 
-@pytest.mark.parametrize("source", CHAPTERS + [p.name for p in PAGES])
+@pytest.mark.parametrize("source", NOTEBOOKS + [p.name for p in PAGES])
 def test_one_spelling(source):
     text = _markdown(source) if source.endswith(".ipynb") else (BOOK / source).read_text()
     found = sorted({m.group(0) for m in BRITISH.finditer(text)})
