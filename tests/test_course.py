@@ -20,6 +20,8 @@ from attnlib.course import myst
 from attnlib.course.handout import BOOK_ONLY_TAGS, exercise_start, read_notebook
 
 CHAPTERS = course.chapters()
+#: the notebook with chapter 2's exercises (the chapter's last page)
+CH2 = next(c for c in CHAPTERS if c.startswith("ch2_"))
 HIDDEN = "### BEGIN HIDDEN TESTS"
 
 
@@ -145,8 +147,20 @@ def test_handout_renders_and_gives_nothing_away(chapter):
     assert graded and all(HIDDEN in c["source"] for c in graded)
 
 
+def test_a_section_page_takes_its_chapters_title():
+    from attnlib.course.handout import chapter_title
+
+    docs = {"ch5_algorithm": "The algorithm", "ch5_algorithm_exercises": "Summary and exercises", "ch1_model": "Model"}
+    assert chapter_title(docs, "ch5_algorithm_exercises") == "The algorithm"
+    assert chapter_title(docs, "ch1_model") == "Model"
+    assert chapter_title(docs, "ch9_other") == "ch9_other"
+    for ch in CHAPTERS:  # every handout names its chapter, not the page the exercises are on
+        header = course.source_notebook(ch)["cells"][0]["source"]
+        assert header.startswith("# Exercises: ") and "Summary and exercises" not in header, header[:80]
+
+
 def test_no_hints_release_and_stubs_that_do_not_give_the_formula():
-    source = course.source_notebook("ch2_population", hints=False)
+    source = course.source_notebook(CH2, hints=False)
     checks = [c["source"].split(HIDDEN)[0] for c in source["cells"] if _nbg(c).get("grade") and HIDDEN in c["source"]]
     assert checks and all("hints=False)" in c for c in checks)
     assert "gives no hints" in source["cells"][0]["source"]
@@ -295,9 +309,9 @@ def _submissions(folder, release):
     (bad / "empty.ipynb").write_text("")
     (bad / "invalid.ipynb").write_text('{"cells": [ }')
     (bad / "list.ipynb").write_text("[1, 2]")
-    (bad / "master.ipynb").write_text((course.BOOK_DIR / "ch2_population.ipynb").read_text())
+    (bad / "master.ipynb").write_text((course.BOOK_DIR / f"{CH2}.ipynb").read_text())
     other = copy.deepcopy(release)
-    other["metadata"]["attnlib"]["chapter"] = "ch2_population"
+    other["metadata"]["attnlib"]["chapter"] = CH2
     (bad / "other.ipynb").write_text(json.dumps(other))
     (bad / "no name.ipynb").write_text(json.dumps(release))
     return bad
@@ -392,7 +406,7 @@ def test_bad_files_are_rejected_with_one_line_each(graded):
     assert msgs["empty.ipynb"].endswith("the file is empty (expected a Jupyter notebook)")
     assert re.search(r"not a Jupyter notebook \(invalid JSON: .* at line 1, column \d+\)$", msgs["invalid.ipynb"])
     assert msgs["list.ipynb"].endswith("not a Jupyter notebook (the JSON has no list of cells)")
-    assert msgs["other.ipynb"].endswith("this is the handout of ch2_population, not of ch1_model")
+    assert msgs["other.ipynb"].endswith(f"this is the handout of {CH2}, not of ch1_model")
     assert "an instructor's notebook (the book's master" in msgs["master.ipynb"]
     assert "cannot take a student id from the file name" in msgs["no name.ipynb"]
     assert all("\n" not in m for m in msgs.values()) and not collected.ok

@@ -17,6 +17,8 @@ from attnlib import course
 from attnlib.course.handout import read_notebook
 
 CH = "ch1_model"
+#: another chapter (the notebook with chapter 2's exercises)
+CH2 = next(c for c in course.chapters() if c.startswith("ch2_"))
 TIMEOUT = 5  # seconds per graded cell in this course (a stuck cell costs this, once)
 
 
@@ -173,7 +175,7 @@ def redteam(tmp_path_factory):
         nb["cells"].append(copy.deepcopy(cell) | {"id": "dup"})
 
     make("duplicated", edit=duplicate, folder=bad)
-    make("other_chapter", edit=lambda nb: nb["metadata"]["attnlib"].update(chapter="ch2_population"), folder=bad)
+    make("other_chapter", edit=lambda nb: nb["metadata"]["attnlib"].update(chapter=CH2), folder=bad)
     make("other_release", edit=lambda nb: nb["metadata"]["attnlib"].update(release="0" * 16), folder=bad)
     make("no_fingerprint", edit=lambda nb: nb["metadata"].pop("attnlib"), folder=bad)
     make("bad_schema", edit=lambda nb: nb["cells"][1].update(execution_count="one"), folder=bad)
@@ -240,7 +242,7 @@ def test_collect_rejects_what_is_not_a_handout_of_this_release(redteam):
     assert "is a symbolic link" in by_name["symlink.ipynb"]
     assert "an instructor's notebook (the book's master" in by_name["master.ipynb"]
     assert "the grade_id 'ex1-1' is on two cells" in by_name["duplicated.ipynb"]
-    assert by_name["other_chapter.ipynb"].endswith("this is the handout of ch2_population, not of ch1_model")
+    assert by_name["other_chapter.ipynb"].endswith(f"this is the handout of {CH2}, not of ch1_model")
     assert "has the fingerprint of another release" in by_name["other_release.ipynb"]
     assert "has no release fingerprint" in by_name["no_fingerprint.ipynb"]
     assert "not a valid notebook (nbformat: " in by_name["bad_schema.ipynb"]

@@ -43,6 +43,7 @@ __all__ = [
     "read_notebook",
     "exercise_start",
     "source_notebook",
+    "chapter_title",
     "hidden_test",
     "graded_ids",
     "nbgrader_ids",
@@ -243,6 +244,17 @@ def _converter(book: Path, nb: dict):
     return convert, docs
 
 
+def chapter_title(docs: Dict[str, str], name: str) -> str:
+    """The title of the chapter that notebook ``name`` belongs to.
+
+    A chapter's section pages are named after it (``ch5_algorithm_exercises`` is a page of
+    ``ch5_algorithm``), so a section takes the title of the longest notebook name it extends; a
+    chapter's own page keeps its title, and an unknown name is returned as it is.
+    """
+    owners = [doc for doc in docs if name.startswith(doc + "_")]
+    return docs[max(owners, key=len)] if owners else docs.get(name, name)
+
+
 def _opening_cells(chapter: str, title: str, setup: dict, hints: bool) -> List[dict]:
     """The handout's title cell and the chapter's import cell, both locked."""
     from nbformat.v4 import new_markdown_cell
@@ -315,7 +327,7 @@ def source_notebook(chapter: str, *, book_dir=None, hints: bool = True, fingerpr
     if start is None:
         raise ValueError(f"chapter: {chapter!r} has no {EXERCISES_HEADING!r} section")
     convert, docs = _converter(book, nb)
-    cells = _opening_cells(chapter, docs.get(chapter, chapter), _setup_cell(nb, start, chapter), hints)
+    cells = _opening_cells(chapter, chapter_title(docs, chapter), _setup_cell(nb, start, chapter), hints)
     cells += _exercise_cells(chapter, nb["cells"][start:], convert, hints)
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
     meta["attnlib"] = {"chapter": chapter, "release": fingerprint}
