@@ -89,17 +89,25 @@ def test_one_numbering_scheme_per_chapter(built_book):
     import re
     from pathlib import Path
 
+    import yaml
+
     html, _, _ = built_book
-    chapters = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "book").glob("ch*.ipynb"))
+    toc = yaml.safe_load((Path(__file__).resolve().parents[1] / "_toc.yml").read_text())
+    chapters = [e for part in toc["parts"] for e in part["chapters"] if Path(e["file"]).name.startswith("ch")]
     caption = re.compile(r'<span class="caption-number">([A-Za-z.]+) (\d+)(?:\.(\d+))? ')
-    for k, chapter in enumerate(chapters, start=1):
-        page = (html / "book" / f"{chapter}.html").read_text()
-        assert f'<span class="section-number">{k}. </span>' in page, chapter
-        labels = caption.findall(page)
-        assert any(kind == "Fig." for kind, _, _ in labels), chapter
-        wrong = sorted({f"{kind} {a}.{b}" if b else f"{kind} {a}" for kind, a, b in labels if not b or int(a) != k})
-        assert not wrong, f"{chapter}: numbers not of chapter {k}: {wrong[:8]}"
-        exercises = re.findall(r"Exercise</span>\s*<span[^>]*>\s*\(?(\d+)\.(\d+)", page) or re.findall(
-            r"Exercise (\d+)\.(\d+)", page
-        )
-        assert all(int(a) == k for a, _ in exercises), f"{chapter}: exercises {exercises[:4]}"
+    for k, entry in enumerate(chapters, start=1):
+        pages = [Path(entry["file"]).name] + [Path(s["file"]).name for s in entry.get("sections", [])]
+        figures = 0
+        for j, chapter in enumerate(pages):
+            page = (html / "book" / f"{chapter}.html").read_text()
+            number = f"{k}. " if j == 0 else f"{k}.{j}. "
+            assert f'<span class="section-number">{number}</span>' in page, (chapter, number)
+            labels = caption.findall(page)
+            figures += sum(kind == "Fig." for kind, _, _ in labels)
+            wrong = sorted({f"{kind} {a}.{b}" if b else f"{kind} {a}" for kind, a, b in labels if not b or int(a) != k})
+            assert not wrong, f"{chapter}: numbers not of chapter {k}: {wrong[:8]}"
+            exercises = re.findall(r"Exercise</span>\s*<span[^>]*>\s*\(?(\d+)\.(\d+)", page) or re.findall(
+                r"Exercise (\d+)\.(\d+)", page
+            )
+            assert all(int(a) == k for a, _ in exercises), f"{chapter}: exercises {exercises[:4]}"
+        assert figures, f"chapter {k} has no numbered figure"
