@@ -15,7 +15,7 @@ many submissions, autograde them all, export the gradebook::
 
     python -m attnlib.course list
     python -m attnlib.course init course/
-    python -m attnlib.course release course/ ch1_model ch2_population [--no-hints]
+    python -m attnlib.course release course/ ch1_model ch2_population_exercises [--no-hints]
     python -m attnlib.course collect course/ ch1_model submissions/
     python -m attnlib.course grade course/ ch1_model
     python -m attnlib.course export course/ --to grades.csv
@@ -45,7 +45,11 @@ BOOK_DIR = Path(__file__).resolve().parents[2] / "book"
 
 
 def chapters(book_dir=None) -> List[str]:
-    """Names of the chapter notebooks that have an exercise section with graded cells."""
+    """Names of the notebooks that have an exercise section with graded cells.
+
+    A chapter that is split into section pages has its exercises on its last page
+    (``ch2_population_exercises``); ``ch1_model`` is one page.
+    """
     from .handout import exercise_start, graded_ids, read_notebook
 
     book = Path(book_dir) if book_dir is not None else BOOK_DIR

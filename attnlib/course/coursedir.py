@@ -216,6 +216,9 @@ def release(course, chapters: Sequence[str], *, book_dir=None, hints: bool = Tru
     if not chapters:
         raise ValueError(f"chapters: expected one or more of {names}, got none")
     for ch in chapters:
+        pages = [n for n in names if n.startswith(f"{ch}_")]
+        if ch not in names and len(pages) == 1:  # a chapter whose exercises are on its last section page
+            raise ValueError(f"chapters: the exercises of {ch} are in {pages[0]!r}; expected names from {names}")
         if ch not in names:
             raise ValueError(f"chapters: expected names from {names}, got {ch!r}")
         if (root / "release" / ch).exists() and not force:
