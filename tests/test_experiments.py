@@ -298,3 +298,8 @@ def test_committed_heavy_tail_sweep_reproduces_its_cheapest_run():
     again = ex._run_heavy_tail(spec)
     assert len(rows) == len(again) == 96 and [r["seed"] for r in rows] == [r["seed"] for r in again]
     np.testing.assert_allclose([r["error"] for r in again], [r["error"] for r in rows], rtol=1e-12, atol=0)
+
+
+def test_every_optimizer_of_the_sweep_has_a_display_name():
+    assert set(ex.OPT_NAMES) == set(ex.OPT_METHODS)
+    assert len(set(ex.OPT_NAMES.values())) == len(ex.OPT_NAMES)  # no two methods share a legend entry

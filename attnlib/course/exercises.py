@@ -401,7 +401,7 @@ EXERCISES: Dict[str, Exercise] = {
 
 
 # ----------------------------------------------------------------------------- chapter 7 (optimizers)
-# One block, added with chapter 7: the two coding exercises of book/ch7_optimizers.ipynb.
+# One block, added with chapter 7: the two coding exercises of book/ch7_optimizers_exercises.ipynb.
 
 
 def _cases_shampoo(seed=0):

@@ -66,6 +66,7 @@ from ..rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
 
 __all__ = [
+    "OPT_NAMES",
     "TASK",
     "TaskSpec",
     "FULL",
@@ -802,6 +803,18 @@ OPT_METHODS: Dict[str, tuple] = {
     "shampoo": ("shampoo", {}, (-2.0, 0.0)),
     "soap": ("soap", {}, (-3.0, -1.0)),
     "shampoo_balance": ("shampoo", {"renormalize": "balance"}, (-2.0, 0.0)),
+}
+#: The name each method of OPT_METHODS has in the book's tables and legends.
+OPT_NAMES: Dict[str, str] = {
+    "structured": "structured (Alg. 1)",
+    "gd": "GD",
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "muon": "Muon",
+    "muon_decay": "Muon, decaying step",
+    "shampoo": "Shampoo",
+    "soap": "SOAP",
+    "shampoo_balance": "Shampoo + balancing",
 }
 OPT_CONDS = (1.0, 10.0, 100.0, 1e3, 1e4)
 OPT_NEAR_RADIUS = 0.3
