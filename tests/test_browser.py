@@ -319,6 +319,17 @@ _IMAGES_JS = """() => [...document.querySelectorAll('.bd-article img')].map(i =>
 })"""
 
 
+def _notebook_figures(page_name):
+    """How many figures (PNG outputs) the page's notebook holds; the landing page has its overview."""
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "book" / f"{page_name}.ipynb"
+    if not path.is_file():
+        return 1
+    cells = json.loads(path.read_text())["cells"]
+    return sum("image/png" in o.get("data", {}) for c in cells for o in c.get("outputs", []))
+
+
 @pytest.mark.parametrize("page_name", ["intro", *CHAPTERS])
 def test_figures_are_crisp_and_described(page_name, server, browser):
     """Every figure is vector (SVG) or at least twice as many pixels wide as it is shown at
@@ -326,7 +337,8 @@ def test_figures_are_crisp_and_described(page_name, server, browser):
     context, page, _ = _open_at(browser, server, page_name, VIEWPORTS["desktop"])
     images = page.evaluate(_IMAGES_JS)
     context.close()
-    assert images
+    assert len(images) >= _notebook_figures(page_name), f"{page_name}: figures of the notebook missing on the page"
+    assert images or _notebook_figures(page_name) == 0, f"{page_name}: no image"
     soft = [i for i in images if not i["src"].endswith(".svg") and i["natural"] < 2 * i["shown"] - 1]
     assert not soft, f"images with fewer than 2 pixels per displayed pixel: {soft[:3]}"
     unnamed = [

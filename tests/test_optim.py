@@ -279,12 +279,21 @@ def test_grid_cache_stores_replays_and_detects_stale_files(data, tmp_path, monke
     calls.clear()
     assert GridCache(path).best("gd", run, [1e-3, 1e-2]).config["lr"] == 1e-2  # a changed grid is run again
     assert calls == [1e-3, 1e-2]
-    # refresh (here through the environment) ignores the file
+    # refresh (here through the environment) re-runs each grid it is asked for, once per session, and
+    # keeps the file's other grids (a chapter's pages share one file and refresh one after the other)
     monkeypatch.setenv("ATTNLIB_REFRESH_GRIDS", "1")
     fresh = GridCache(path)
-    assert fresh.refresh and fresh.entries == {}
+    assert fresh.refresh
+    calls.clear()
+    fresh.best("gd", run, [1e-3, 1e-2])  # stored with this grid, and still run again
+    assert calls == [1e-3, 1e-2] and fresh.computed == ["gd"]
+    calls.clear()
+    fresh.best("gd", run, [1e-3, 1e-2])  # the second request in the same session replays
+    assert calls == [1e-2]
+    GridCache(path).best("other", run, [1e-3])  # another page's session, refreshing its own grid
+    assert set(GridCache(path).entries) == {"gd", "other"}
     with pytest.raises(ValueError, match="key"):
-        fresh.scores("gd")
+        fresh.scores("missing")
     with pytest.raises(ValueError, match="lrs"):
         fresh.best("x", run, [])
 

@@ -83,8 +83,9 @@ class GridCache:
     so a real change in the code is still caught. A missing ``key`` (or a changed grid or
     criterion) runs the whole grid and updates the file.
 
-    ``refresh=True`` re-runs every grid requested in this session and rewrites
-    the file from scratch; ``refresh=None`` (default) reads the environment
+    ``refresh=True`` re-runs every grid requested in this session (once) and
+    keeps the file's other entries, so that several notebooks sharing one file
+    (a chapter's pages) can each refresh their own grids; ``refresh=None`` (default) reads the environment
     variable ``ATTNLIB_REFRESH_GRIDS`` (``"1"``: refresh). ``position(key)``
     says whether the selected step is ``"interior"`` or at the ``"lowest"`` or
     ``"highest"`` end of its grid; ``verify(key, run)`` re-runs a whole stored
@@ -100,7 +101,7 @@ class GridCache:
         self.refresh = bool(refresh)
         self.rtol = check_nonneg_float(rtol, "rtol", positive=True)
         self.entries: Dict[str, dict] = {}
-        if not self.refresh and os.path.exists(self.path):
+        if os.path.exists(self.path):
             import json
 
             with open(self.path) as fh:
@@ -142,7 +143,7 @@ class GridCache:
             raise ValueError(f"key: expected a non-empty string, got {key!r}")
         grid = _check_grid(lrs)
         score = _final_objective if score is None else score
-        e = self.entries.get(key)
+        e = None if self.refresh and key not in self.computed else self.entries.get(key)
         if e is not None and e.get("grid") == grid and e.get("criterion") == criterion:
             self.replayed.append(key)
             if e["lr"] is None:
