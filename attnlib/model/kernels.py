@@ -320,7 +320,7 @@ def _run_kernel(B, X, Q, A=None, Yq=None):
     G = B.shape[0] if B.dim() == 3 else 1
     XT = X.transpose(1, 2).contiguous().numpy()
     if B.dim() == 3:
-        QB = (Q.reshape(G, P // G, m, d) @ B[:, None]).reshape(P, m, d).contiguous().numpy()
+        QB = (Q.reshape(G, (P // G) * m, d) @ B).reshape(P, m, d).contiguous().numpy()
     else:
         QB = (Q @ B).contiguous().numpy()
     xmax = X.norm(dim=2).amax(dim=1).contiguous().numpy()
@@ -401,7 +401,8 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
 
 
 def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None):
-    """``(loss, gA, gB)``; with per-group ``A`` (G, k, d), ``B`` (G, d, d): per group, shapes (G,), (G, k, d), (G, d, d)."""
+    """``(loss, gA, gB)``; with per-group ``A`` (G, k, d), ``B`` (G, d, d): one per group, shapes (G,), (G, k, d),
+    (G, d, d)."""
     O, _, R, H = _run_kernel(B, X3, Q3, A, Y3)
     f8 = torch.float64
     d, k = X3.shape[2], A.shape[-2]
