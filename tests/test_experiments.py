@@ -298,3 +298,21 @@ def test_committed_heavy_tail_sweep_reproduces_its_cheapest_run():
     again = ex._run_heavy_tail(spec)
     assert len(rows) == len(again) == 96 and [r["seed"] for r in rows] == [r["seed"] for r in again]
     np.testing.assert_allclose([r["error"] for r in again], [r["error"] for r in rows], rtol=1e-12, atol=0)
+
+
+def test_chain_sweeps_in_lockstep_equal_the_sequential_chains(tmp_path):
+    """The runner's batched chains (the default) write the numbers of one chain per run, to round-off."""
+    lock, seq = tmp_path / "lock.csv", tmp_path / "seq.csv"
+    assert ex.main(["prompts", "--quick", "--out", str(lock), "--no-progress"]) == 0
+    assert ex.main(["prompts", "--quick", "--out", str(seq), "--no-progress", "--sequential"]) == 0
+    a = {r["run"]: r for r in ex.read_sweep(str(lock))}
+    b = {r["run"]: r for r in ex.read_sweep(str(seq))}
+    assert a.keys() == b.keys()
+    cols = [c for c in ex.SWEEPS["prompts"]["columns"] if c != "batches"]
+    for run in a:
+        scale = max(abs(b[run][f"r{i}"]) for i in range(8))
+        for c in cols:
+            assert abs(a[run][c] - b[run][c]) <= 1e-12 * max(scale, abs(b[run][c])), (run, c)
+        assert a[run]["batches"] == b[run]["batches"]
+    with pytest.raises(ValueError, match="one configuration"):
+        ex.chains_of_specs(ex.sweep("prompts", quick=True).specs[:4])
