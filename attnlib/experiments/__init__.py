@@ -1252,9 +1252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     g.add_argument("--workers", type=int, default=0, help="start a local Dask cluster with this many processes")
     g.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--sequential", action="store_true", help="chain sweeps: one chain at a time (default: in lockstep)"
-    )
+    p.add_argument("--sequential", action="store_true", help="chain sweeps: one chain at a time (default: in lockstep)")
     args = p.parse_args(argv)
     if args.workers < 0:
         p.error("--workers: expected an integer >= 0")
