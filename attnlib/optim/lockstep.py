@@ -55,6 +55,8 @@ class _Stacked:
         self.gens = [make_generator(int(s)) for s in seeds]
         self.adt = task.dtype if cfg.attention_dtype is None else cfg.attention_dtype
         self.lam = cfg.lam if cfg.use_regularizer else 0.0
+        probe = torch.empty(0, task.d, dtype=self.adt, device=task.device)
+        self.kernel = resolve_engine(cfg.engine, probe) == "kernel"  # decided once, not at every step
         self.calls = 0
 
     def draw(self):
@@ -66,7 +68,7 @@ class _Stacked:
         """``mean_b Lhat_n(X_b)`` per chain, shape (C,): ``X`` (C, P, n, d), ``Y`` (C, P, n, k)."""
         C, P, n, d = X.shape
         Xa, Ya = X.to(self.adt).reshape(C * P, n, d), Y.to(self.adt).reshape(C * P, n, -1)
-        if resolve_engine(self.cfg.engine, Xa) == "kernel":
+        if self.kernel:
             return _kernel_loss_unchecked(A, B, Xa, Ya).to(A.dtype)
         Aa, Ba = A.to(Xa.dtype), B.to(Xa.dtype)
         q = (Xa.reshape(C, P * n, d) @ Ba).reshape(C * P, 1, n, d)
