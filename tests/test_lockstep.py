@@ -100,3 +100,15 @@ def test_bad_input(task):
         al.run_chains(task, 16, [], steps=4, burn_in=1, prompts=2, lr=0.5)
     with pytest.raises(ValueError, match="burn_in"):
         al.run_chains(task, 16, [1], steps=4, prompts=2, lr=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_lockstep_on_cuda_equals_the_cpu_chains():
+    """On CUDA the lockstep runs batched SDPA + autograd on the same prompts (drawn on the CPU, then moved)."""
+    task = ex.make_task(0.0)
+    cfg = dict(steps=6, burn_in=2, prompts=4, lr=0.5, renormalize="cap", nu_cap=0.25)
+    cpu = al.run_chains(task, 32, [1, 2], **cfg)
+    gpu = al.run_chains(task.to(device="cuda"), 32, [1, 2], **cfg)
+    for a, b in zip(cpu, gpu):
+        assert np.abs(a.R - b.R).max() <= 1e-10 * np.abs(a.R).max()
+        assert b.history.A.device.type == "cuda"
