@@ -102,7 +102,7 @@ def test_bad_input(task):
         al.run_chains(task, 16, [1], steps=4, prompts=2, lr=0.5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.cuda
 def test_lockstep_on_cuda_equals_the_cpu_chains():
     """On CUDA the lockstep runs batched SDPA + autograd on the same prompts (drawn on the CPU, then moved)."""
     task = ex.make_task(0.0)
