@@ -16,9 +16,9 @@ a process that another one time-slices with is charged only for its own cycles),
   step minus attention part (Python, sampling the prompts, the d x d algebra, autograd of the rest);
 * the same step inside whole chains (``--lockstep-n``: n = 256, 1024): ``run_chain`` (one chain, the moment
   kernel) and ``run_chains`` (``--chains`` = 6 chains in lockstep, as the chain sweeps run them), per chain and
-  step: a chain of ``--chain-steps`` = 10 steps minus a chain of 1 step (the balancing renormalization, a
-  record every 10 steps), so the once-per-chain start and results (``fixed``, printed below the table) are
-  left out, as in the sweeps' 121-step chains; their attention part is the kernel's loss and gradient on the
+  step: a chain of ``--chain-steps`` = 20 steps minus a chain of 1 step (the balancing renormalization, a
+  record every 10 steps), so the once-per-chain start and results are left out, as they nearly are in the
+  sweeps' 121-step chains; their attention part is the kernel's loss and gradient on the
   same number of prompts (all chains' prompts in one call for the lockstep), timed alternately with the
   chains, and ``overhead`` is again the median paired difference;
 * the single-sequence loss and gradient (``empirical_loss`` and ``torch.autograd.grad``) for
@@ -225,8 +225,7 @@ def _chains(n, reps, chains, steps):
         per = (steps - 1) * chains
         t_step, t_att, over = ((a - b) / per for a, b in zip(long, short))
         rows.append(dict(case="prompts", n=n, impl=label, dtype=str(adt), time=t_step, attention=t_att,
-                         overhead=over, draws=_draw_time(task, n, reps), pairs=PROMPTS * n * n,
-                         fixed=short[0] / chains - 2 * t_step))  # fmt: skip
+                         overhead=over, draws=_draw_time(task, n, reps), pairs=PROMPTS * n * n))  # fmt: skip
     return rows
 
 
@@ -300,14 +299,6 @@ def _table(rows, rates, compile_s, load_s, reps):
                         f"| {bound / r['time']:.2f} |"
                     )
         lines.append("")
-    fixed = [r for r in rows if "fixed" in r]
-    if fixed:
-        lines += [
-            "Once per chain (start, renormalized; results), left out of the whole-chain rows above: "
-            + ", ".join(f"{r['impl'].split(', ', 1)[1]} {r['dtype'][6:]} n = {r['n']}: {1e3 * r['fixed']:.1f} ms"
-                        for r in fixed) + " (per chain).",
-            "",
-        ]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -317,7 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--chains", type=int, default=6, help="chains in lockstep (the chain sweeps' chains per n)")
-    p.add_argument("--chain-steps", type=int, default=10)
+    p.add_argument("--chain-steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
