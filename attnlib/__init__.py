@@ -78,6 +78,7 @@ _EXPORTS = {
     "train_population": "optim",
     "train_prompts": "optim",
     "run_chain": "optim",
+    "run_chains": "optim",
     "best_of_grid": "optim",
     "GridCache": "optim",
     "History": "optim",

@@ -150,11 +150,14 @@ def random_manifold_point(task: Task, *, seed: Optional[int] = None, generator: 
 
 
 def _procrustes(At, C, U, s, V):
-    """Closest balanced factorization of ``U diag(s) V^T`` to ``(At, C)`` in Frobenius norm."""
-    sh = s.sqrt()
-    N = At.T @ (U * sh) + C @ (V * sh)
+    """Closest balanced factorization of ``U diag(s) V^T`` to ``(At, C)`` in Frobenius norm.
+
+    Also for stacks (a leading axis on every argument, or only on ``At``, ``C``): one factorization each.
+    """
+    sh = s.sqrt().unsqueeze(-2)
+    N = At.mT @ (U * sh) + C @ (V * sh)
     W = polar_factor(N)
-    return (U * sh) @ W.T, (W * sh) @ V.T, W
+    return (U * sh) @ W.mT, (W * sh) @ V.mT, W
 
 
 def project_to_manifold(A, B, task: Task, *, return_W: bool = False):
@@ -182,6 +185,13 @@ def distance_to_manifold(A, B, task: Task) -> torch.Tensor:
     return torch.sqrt(torch.sum((At - At_p) ** 2) + torch.sum((C - C_p) ** 2))
 
 
+def _stacked_distance(A, B, task: Task) -> torch.Tensor:
+    """:func:`distance_to_manifold` of a stack ``A`` (C, k, d), ``B`` (C, d, d) (validated): shape (C,)."""
+    At, C = A @ task.Sigma_sqrt, task.Sigma_sqrt @ B.mT @ task.Sigma_sqrt
+    At_p, C_p, _ = _procrustes(At, C, *task.svd)
+    return torch.sqrt(torch.sum((At - At_p) ** 2, dim=(1, 2)) + torch.sum((C - C_p) ** 2, dim=(1, 2)))
+
+
 #: The renormalizations (moves along the orbit after each update); see :class:`Renormalization`.
 RENORMALIZATIONS = ("balance", "cap", "fix", "equalize")
 
@@ -200,6 +210,24 @@ def _balance(A, B, R: _Roots):
     U, s, Vh = torch.linalg.svd(P, full_matrices=False)
     At_b, C_b, _ = _procrustes(At, C, U[:, :r], s[:r], Vh[:r].T)
     return At_b @ R.inv_half, R.inv_half @ C_b.T @ R.inv_half
+
+
+def _balance_stacked(A, B, R: _Roots):
+    """:func:`_balance` of a stack ``A`` (C, k, d), ``B`` (C, d, d): one batched SVD and Procrustes where every
+    product is finite with the same numerical rank (the chains of a sweep), else one :func:`_balance` each."""
+    At, C = A @ R.half, R.half @ B.mT @ R.half
+    P = At @ C
+    if bool(torch.isfinite(P).all()):
+        s = torch.linalg.svdvals(P)
+        rtol = max(P.shape[-2:]) * torch.finfo(P.dtype).eps * 100
+        ranks = torch.where(s[:, 0] > 0, (s > rtol * s[:, :1]).sum(dim=1), 0)
+        r = int(ranks[0])
+        if r > 0 and bool((ranks == r).all()):
+            U, s, Vh = torch.linalg.svd(P, full_matrices=False)
+            At_b, C_b, _ = _procrustes(At, C, U[..., :r], s[..., :r], Vh[..., :r, :].mT)
+            return At_b @ R.inv_half, R.inv_half @ C_b.mT @ R.inv_half
+    pairs = [_balance(A[c], B[c], R) for c in range(A.shape[0])]
+    return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
 
 
 def _equalize(A, B, R: _Roots):
@@ -271,6 +299,35 @@ class Renormalization:
             gamma2 = max(1.0, gamma2)
         gamma = gamma2**0.5
         return (gamma * At) @ R.inv_half, R.inv_half @ (C / gamma).T @ R.inv_half
+
+    def stacked(self, A, B) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The same renormalization of ``C`` iterates at once: ``A`` (C, k, d), ``B`` (C, d, d), batched (no loop
+        over the iterates; :func:`attnlib.optim.run_chains`). Equal to calling the object on each iterate, to
+        round-off."""
+        R = self.roots
+        if self.mode == "equalize":
+            na = torch.linalg.matrix_norm(A @ R.half)[:, None, None]
+            nc = torch.linalg.matrix_norm(R.half @ B.mT @ R.half)[:, None, None]
+            c = torch.where((na == 0) | (nc == 0), 1.0, torch.sqrt(na / nc))
+            return A / c, B * c
+        Ab, Bb = _balance_stacked(A, B, R)
+        if self.mode == "balance":
+            return Ab, Bb
+        At, C = Ab @ R.half, R.half @ Bb.mT @ R.half
+        nu = torch.linalg.matrix_norm(C, ord=2) ** 2
+        gamma2 = nu / self.nu_cap
+        if self.mode == "cap":
+            gamma2 = gamma2.clamp_min(1.0)
+        gamma = torch.where(nu == 0, 1.0, gamma2**0.5)[:, None, None]
+        return (gamma * At) @ R.inv_half, R.inv_half @ (C / gamma).mT @ R.inv_half
+
+    def stacked_gamma2(self, A, B) -> torch.Tensor:
+        """:meth:`gamma2` of a stack ``A`` (C, k, d), ``B`` (C, d, d): shape (C,)."""
+        if self.mode not in ("cap", "fix"):
+            return torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
+        R = self.roots
+        na, nc = torch.linalg.matrix_norm(A @ R.half), torch.linalg.matrix_norm(R.half @ B.mT @ R.half)
+        return torch.where((na > 0) & (nc > 0), na / nc, 1.0)
 
     def gamma2(self, A, B) -> float:
         """``gamma^2 = ||At||_F / ||C||_F`` of an iterate, for ``"cap"``/``"fix"`` (1 otherwise).

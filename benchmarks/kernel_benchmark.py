@@ -14,6 +14,13 @@ a process that another one time-slices with is charged only for its own cycles),
   task) for n = 256, 1024, 4096, and the attention part alone (``PromptObjective.attention_loss`` and
   its gradient), timed alternately with the step: ``overhead`` = median of the paired differences
   step minus attention part (Python, sampling the prompts, the d x d algebra, autograd of the rest);
+* the same step inside whole chains (``--lockstep-n``: n = 256, 1024): ``run_chain`` (one chain, the moment
+  kernel) and ``run_chains`` (``--chains`` = 6 chains in lockstep, as the chain sweeps run them), per chain and
+  step: a chain of ``--chain-steps`` = 20 steps minus a chain of 1 step (the balancing renormalization, a
+  record every 10 steps), so the once-per-chain start and results are left out, as they nearly are in the
+  sweeps' 121-step chains; their attention part is the kernel's loss and gradient on the
+  same number of prompts (all chains' prompts in one call for the lockstep), timed alternately with the
+  chains, and ``overhead`` is again the median paired difference;
 * the single-sequence loss and gradient (``empirical_loss`` and ``torch.autograd.grad``) for
   n = 1024, 4096, 16384 (d = 4);
 
@@ -166,9 +173,59 @@ def _prompt_step(n, reps):
                 time=t_step,
                 attention=t_att,
                 overhead=over,
+                draws=_draw_time(task, n, reps),
                 pairs=PROMPTS * n * n,
             )
         )
+    return rows
+
+
+def _draw_time(task, n, reps):
+    """CPU time of one chain's prompt draws per step (``PROMPTS`` prompts of n tokens, float64, its generator)."""
+    import attnlib as al
+    from attnlib.model.prompts import sample_prompts
+
+    g = al.make_generator(0)
+    return _cpu_time(lambda: sample_prompts(task, n, PROMPTS, generator=g), reps)
+
+
+def _chains(n, reps, chains, steps):
+    """Whole chains, per chain and step: ``run_chain`` (``chains == 1``) or ``run_chains`` in lockstep."""
+    import torch
+
+    import attnlib as al
+    from attnlib import experiments as ex
+    from attnlib.model.kernels import _kernel_loss_unchecked
+
+    task = ex.make_task(0.0)
+    seeds = [al.derive_seed(c, "kernel-benchmark") for c in range(chains)]
+    rows = []
+    for adt in (torch.float64, torch.float32):
+        cfg = dict(steps=steps, burn_in=steps // 2, prompts=PROMPTS, lr=0.5, renormalize="balance",
+                   attention_dtype=adt, record_every=10, engine="kernel")  # fmt: skip
+        if chains == 1:
+            label = f"moment kernel {str(adt)[6:]}, run_chain (one chain)"
+            run = lambda s: al.run_chain(task, n, seed=seeds[0], **{**cfg, "steps": s, "burn_in": s // 2})  # noqa: E731
+        else:
+            label = f"moment kernel {str(adt)[6:]}, run_chains ({chains} chains in lockstep)"
+            run = lambda s: al.run_chains(task, n, seeds, **{**cfg, "steps": s, "burn_in": s // 2})  # noqa: E731
+        X, Y = task.sample(chains * PROMPTS * n, seed=1)
+        X, Y = X.reshape(-1, n, D).to(adt), Y.reshape(-1, n, K).to(adt)
+        A0, B0 = al.manifold_point(task, task.svd[2])
+        A = A0.expand(chains, -1, -1).clone().requires_grad_()
+        B = B0.expand(chains, -1, -1).clone().requires_grad_()
+
+        def attention_part(evaluations):
+            for _ in range(evaluations):
+                torch.autograd.grad(_kernel_loss_unchecked(A, B, X, Y).sum(), (A, B))
+
+        # a chain of S steps minus a chain of 1 step: S - 1 steps, without the start and the results
+        long = _paired(lambda: run(steps), lambda: attention_part(steps + 1), reps)
+        short = _paired(lambda: run(1), lambda: attention_part(2), reps)
+        per = (steps - 1) * chains
+        t_step, t_att, over = ((a - b) / per for a, b in zip(long, short))
+        rows.append(dict(case="prompts", n=n, impl=label, dtype=str(adt), time=t_step, attention=t_att,
+                         overhead=over, draws=_draw_time(task, n, reps), pairs=PROMPTS * n * n))  # fmt: skip
     return rows
 
 
@@ -212,8 +269,9 @@ def _table(rows, rates, compile_s, load_s, reps):
         if case == "prompts":
             lines += [
                 "| n | engine | step (ms) | attention part (ms) | overhead (ms) | overhead share | "
+                "prompt draws (ms) | overhead less draws, share | "
                 "step speed-up vs reference | attention bound (ms) | attention fraction of bound |",
-                "|---:|:---|---:|---:|---:|---:|---:|---:|---:|",
+                "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
         else:
             lines += [
@@ -231,7 +289,8 @@ def _table(rows, rates, compile_s, load_s, reps):
                     over = r["overhead"]
                     lines.append(
                         f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {1e3 * r['attention']:.1f} | {1e3 * over:.1f} "
-                        f"| {over / r['time']:.0%} | {ref / r['time']:.2f}x | {1e3 * bound:.1f} "
+                        f"| {over / r['time']:.0%} | {1e3 * r['draws']:.2f} | {(over - r['draws']) / r['time']:.0%} "
+                        f"| {ref / r['time']:.2f}x | {1e3 * bound:.1f} "
                         f"| {bound / r['attention']:.2f} |"
                     )
                 else:
@@ -247,12 +306,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-n", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--chains", type=int, default=6, help="chains in lockstep (the chain sweeps' chains per n)")
+    p.add_argument("--chain-steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.prompt_n, args.single_n, args.reps = [64], [128], 2
+        args.prompt_n, args.single_n, args.reps, args.lockstep_n, args.chain_steps = [64], [128], 2, [64], 4
     with tempfile.TemporaryDirectory() as cache:
         compile_s = _first_call(cache)
         load_s = _first_call(cache)
@@ -265,6 +327,10 @@ def main(argv=None) -> int:
     for n in args.prompt_n:
         rows += _prompt_step(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)
+        if n in args.lockstep_n:
+            for c in (1, args.chains):
+                rows += _chains(n, args.reps, c, args.chain_steps)
+                print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
     for n in args.single_n:
         rows += _single(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)

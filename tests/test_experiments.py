@@ -303,3 +303,21 @@ def test_committed_heavy_tail_sweep_reproduces_its_cheapest_run():
 def test_every_optimizer_of_the_sweep_has_a_display_name():
     assert set(ex.OPT_NAMES) == set(ex.OPT_METHODS)
     assert len(set(ex.OPT_NAMES.values())) == len(ex.OPT_NAMES)  # no two methods share a legend entry
+
+
+def test_chain_sweeps_in_lockstep_equal_the_sequential_chains(tmp_path):
+    """The runner's batched chains (the default) write the numbers of one chain per run, to round-off."""
+    lock, seq = tmp_path / "lock.csv", tmp_path / "seq.csv"
+    assert ex.main(["prompts", "--quick", "--out", str(lock), "--no-progress"]) == 0
+    assert ex.main(["prompts", "--quick", "--out", str(seq), "--no-progress", "--sequential"]) == 0
+    a = {r["run"]: r for r in ex.read_sweep(str(lock))}
+    b = {r["run"]: r for r in ex.read_sweep(str(seq))}
+    assert a.keys() == b.keys()
+    cols = [c for c in ex.SWEEPS["prompts"]["columns"] if c != "batches"]
+    for run in a:
+        scale = max(abs(b[run][f"r{i}"]) for i in range(8))
+        for c in cols:
+            assert abs(a[run][c] - b[run][c]) <= 1e-12 * max(scale, abs(b[run][c])), (run, c)
+        assert a[run]["batches"] == b[run]["batches"]
+    with pytest.raises(ValueError, match="one configuration"):
+        ex.chains_of_specs(ex.sweep("prompts", quick=True).specs[:4])

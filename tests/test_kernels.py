@@ -176,6 +176,36 @@ def test_prompt_objective_engines_and_float32_attention():
     _assert_close(grads["sdpa", "float32"], grads["sdpa", None], 2e-5)
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_per_group_parameters_equal_one_call_per_group(dtype, threads):
+    """G chains' prompts in one pass, each group of P / G prompts with its own (A, B): the losses and gradients of
+    separate calls, bit for bit (the same per-query arithmetic; the sums over queries run per group), and the
+    reference to the usual tolerance; the autograd wrapper returns one loss per group."""
+    G, P, n = 3, 2, 40
+    g = torch.Generator().manual_seed(11)
+    _, _, X, Y = _inputs(4, n=n, P=G * P, seed=12, dtype=dtype)
+    A = torch.randn(G, 2, 4, generator=g, dtype=F64).to(dtype)
+    B = (torch.randn(G, 4, 4, generator=g, dtype=F64) / 2).to(dtype)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        loss, gA, gB = K._loss_and_grad(A, B, X, Y, X)
+        Ar, Br = A.clone().requires_grad_(), B.clone().requires_grad_()
+        losses = K._kernel_loss_unchecked(Ar, Br, X, Y)
+        wA, wB = torch.autograd.grad(losses.sum(), (Ar, Br))
+        for c in range(G):
+            sl = slice(c * P, (c + 1) * P)
+            one = K.loss_and_grad(A[c], B[c], X[sl], Y[sl])
+            for a, b in zip((loss[c], gA[c], gB[c]), one):
+                assert torch.equal(a, b)
+            assert torch.equal(losses[c].detach(), one[0]) and torch.equal(wA[c], one[1]) and torch.equal(wB[c], one[2])
+            _assert_close(one, _reference(A[c], B[c], X[sl], Y[sl]), 1e-12 if dtype == F64 else 2e-5)
+    finally:
+        torch.set_num_threads(old)
+    assert losses.shape == (G,)
+
+
 def test_chain_with_the_kernel_equals_the_sdpa_chain():
     task = al.Task.random(3, 2, cond=5.0, signal=1.0, seed=2)
     kw = dict(steps=12, burn_in=4, prompts=8, seed=3)

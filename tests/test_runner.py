@@ -155,3 +155,46 @@ def test_read_sweep_types_columns_and_gives_a_frame(tmp_path):
         rn.read_sweep(str(tmp_path / "plain.csv"))
     with pytest.raises(ValueError, match="does not exist"):
         rn.read_sweep(str(tmp_path / "missing.csv"))
+
+
+def _toy_batch(specs):
+    """The toy runs computed together: one list of rows per spec, as ``_toy`` gives them."""
+    return [_toy(s) for s in specs]
+
+
+def _batched_sweep(n=8, max_group=3):
+    specs = [dict(run=f"x={x}", x=x, sleep=0.0, cost=x) for x in range(n)]
+    return rn.Sweep(
+        "toy", _toy, specs, spec_columns=("x",), columns=("i", "value", "pid"),
+        batch=_toy_batch, group=lambda s: str(s["x"] % 2), max_group=max_group,
+    )  # fmt: skip
+
+
+def test_batched_runs_are_written_one_block_each_and_resume(tmp_path):
+    out = str(tmp_path / "batched.csv")
+    sw = _batched_sweep()
+    units = rn._tasks(sw, sw.specs)
+    assert sorted(len(u) for u in units) == [1, 1, 3, 3]  # two groups of 4, at most 3 per call
+    assert all(len({s["x"] % 2 for s in u}) == 1 for u in units)
+    info = rn.run_sweep(sw, out, progress=False, max_runs=5)  # stops inside a group
+    assert info["runs"] == 5
+    info = rn.run_sweep(_batched_sweep(), out, progress=False)
+    assert info == dict(info, runs=3, skipped=5)
+    rows = _check_complete(out, 8)
+    sequential = str(tmp_path / "sequential.csv")
+    rn.run_sweep(_sweep(), sequential, progress=False)
+    key = lambda r: (r["run"], r["i"])  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("cpu_s", "wall_s", "pid")}  # noqa: E731
+    assert sorted(map(strip, rows), key=key) == sorted(map(strip, rn.read_sweep(sequential)), key=key)
+    info = rn.run_sweep(_batched_sweep(), str(tmp_path / "dask.csv"), workers=2, progress=False)
+    assert info["runs"] == 8
+    _check_complete(str(tmp_path / "dask.csv"), 8)
+
+
+def test_batch_needs_a_group_and_gives_one_list_per_spec(tmp_path):
+    with pytest.raises(ValueError, match="batch, group"):
+        rn.Sweep("toy", _toy, [dict(run="a", x=1)], ("x",), ("i", "value", "pid"), batch=_toy_batch)
+    with pytest.raises(ValueError, match="max_group"):
+        rn.Sweep("toy", _toy, [dict(run="a", x=1)], ("x",), ("i", "value", "pid"), max_group=0)
+    with pytest.raises(ValueError, match="batch"):
+        rn.execute_batch(lambda specs: [], [dict(run="a", x=1)])

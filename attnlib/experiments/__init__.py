@@ -59,7 +59,7 @@ from ..analysis.stats import ExponentFit, excess_ustat, fit_exponent, ustat_expo
 from ..geometry import distance_to_manifold, orbit_distance, orbit_to_scale, random_manifold_point
 from ..model.finite_n import heldout_loss, query_averaged_error, softmax_scale
 from ..model.task import Task
-from ..optim import ChainConfig, Snapshots, run_chain, train, train_prompts
+from ..optim import ChainConfig, Snapshots, run_chain, run_chains, train, train_prompts
 from ..optim.grid import grid_search
 from ..optim.init import spectral_init
 from ..rng import derive_seed
@@ -280,11 +280,10 @@ def prompts_per_step(n: int, base: int = 16, n_ref: int = 256) -> int:
     return int(base * max(1, n_ref // int(n)))
 
 
-def chain_of_spec(spec: dict, **options):
-    """The chain of one spec of a regime-(ii) chain sweep (:func:`attnlib.optim.run_chain` on the sweeps' task,
-    with the spec's seed stream); ``options`` override the config (e.g. ``engine``, ``attention_dtype``)."""
+def _chain_config(spec: dict) -> dict:
+    """The :class:`attnlib.optim.ChainConfig` fields of one spec of a regime-(ii) chain sweep, its seed included."""
     nu_cap = None if spec["renormalize"] == "balance" else float(spec["nu_cap"])
-    config = dict(
+    return dict(
         steps=int(spec["steps"]),
         burn_in=int(spec["burn_in"]),
         prompts=int(spec["prompts"]),
@@ -294,11 +293,32 @@ def chain_of_spec(spec: dict, **options):
         seed=derive_seed(int(spec["chain"]), f"regime-ii:{spec['label']}:n={int(spec['n'])}"),
         attention_dtype=spec.get("attention_dtype") or None,
     )
-    return run_chain(make_task(0.0), int(spec["n"]), **{**config, **options})
 
 
-def _run_chain(spec: dict) -> List[dict]:
-    res = chain_of_spec(spec)
+def chain_of_spec(spec: dict, **options):
+    """The chain of one spec of a regime-(ii) chain sweep (:func:`attnlib.optim.run_chain` on the sweeps' task,
+    with the spec's seed stream); ``options`` override the config (e.g. ``engine``, ``attention_dtype``)."""
+    return run_chain(make_task(0.0), int(spec["n"]), **{**_chain_config(spec), **options})
+
+
+def _chain_group(spec: dict) -> str:
+    """The specs whose chains can run in lockstep: everything but the chain (hence the seed) equal."""
+    cfg = _chain_config(spec)
+    return repr((spec["label"], int(spec["n"]), sorted((k, v) for k, v in cfg.items() if k != "seed")))
+
+
+def chains_of_specs(specs: Sequence[dict], **options):
+    """:func:`chain_of_spec` of every spec, in lockstep (:func:`attnlib.optim.run_chains`): specs of one
+    :func:`_chain_group`, each chain with its own seed stream; equal to the sequential chains to round-off."""
+    keys = {_chain_group(s) for s in specs}
+    if len(keys) != 1:
+        raise ValueError(f"specs: expected chains of one configuration, got {len(keys)} different ones")
+    cfgs = [_chain_config(s) for s in specs]
+    common = {k: v for k, v in cfgs[0].items() if k != "seed"}
+    return run_chains(make_task(0.0), int(specs[0]["n"]), [c["seed"] for c in cfgs], **{**common, **options})
+
+
+def _chain_row(res) -> dict:
     row = {f"r{i}": float(v) for i, v in enumerate(res.R.ravel())}
     row.update(
         naive_excess=res.naive_excess,
@@ -307,7 +327,15 @@ def _run_chain(spec: dict) -> List[dict]:
         last_excess=res.history.excess[-1],
         batches=res.batches,
     )
-    return [row]
+    return row
+
+
+def _run_chain(spec: dict) -> List[dict]:
+    return [_chain_row(chain_of_spec(spec))]
+
+
+def _run_chains(specs: List[dict]) -> List[List[dict]]:
+    return [[_chain_row(res)] for res in chains_of_specs(specs)]
 
 
 def _prompt_specs(scales, ns, chains, steps=120, burn_in=30, lr=0.5, attention_dtype=None) -> List[dict]:
@@ -533,9 +561,12 @@ _CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
     "batches",
 )
 
+#: The regime-(ii) chain sweeps compute the chains of one configuration in lockstep (the runner's ``batch``).
+_LOCKSTEP = dict(batch=_run_chains, group=_chain_group)
+
 #: The book's sweeps by name, each a dict of ``func`` (``func(spec) -> rows``, module level), ``spec_columns``
 #: (the spec fields written to every row), ``columns`` (what ``func`` returns) and ``full``, ``quick`` (functions
-#: returning the spec lists).
+#: returning the spec lists); optionally ``batch`` and ``group`` (the runner computes the runs of one group together).
 SWEEPS: Dict[str, dict] = {
     "spectral": dict(
         func=_run_spectral,
@@ -560,6 +591,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts": dict(
         func=_run_chain,
+        **_LOCKSTEP,
         spec_columns=_CHAIN_SPEC,
         columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(PROMPT_SCALES, [2**i for i in range(4, 11)], 6),
@@ -593,6 +625,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_best": dict(
         func=_run_chain,
+        **_LOCKSTEP,
         spec_columns=_CHAIN_SPEC,
         columns=_CHAIN_COLUMNS,
         full=lambda: _prompt_specs(BEST_SCALE, [2**i for i in range(4, 11)], 6),
@@ -600,6 +633,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_large": dict(
         func=_run_chain,
+        **_LOCKSTEP,
         spec_columns=_CHAIN_SPEC + ("attention_dtype",),
         columns=_CHAIN_COLUMNS,
         full=lambda: _large_specs(),
@@ -607,6 +641,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_large_fix": dict(
         func=_run_chain,
+        **_LOCKSTEP,
         spec_columns=_CHAIN_SPEC + ("attention_dtype",),
         columns=_CHAIN_COLUMNS,
         full=lambda: _large_specs(scales=LARGE_FIX_SCALES),
@@ -614,6 +649,7 @@ SWEEPS: Dict[str, dict] = {
     ),
     "prompts_float64": dict(
         func=_run_chain,
+        **_LOCKSTEP,
         spec_columns=_CHAIN_SPEC + ("attention_dtype",),
         columns=_CHAIN_COLUMNS,
         full=lambda: _precision_specs(),
@@ -629,12 +665,18 @@ SWEEPS: Dict[str, dict] = {
 }
 
 
-def sweep(name: str, quick: bool = False) -> Sweep:
-    """The ``attnlib.experiments.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests)."""
+def sweep(name: str, quick: bool = False, *, lockstep: bool = True) -> Sweep:
+    """The ``attnlib.experiments.runner.Sweep`` called ``name`` (``quick``: its seconds-long variant for tests).
+
+    ``lockstep``: where the sweep has a ``batch`` function (the regime-(ii) chain sweeps), compute the chains
+    of one configuration together (:func:`attnlib.optim.run_chains`; the same numbers to round-off);
+    ``False``: one chain per run, as ``func``."""
     if name not in SWEEPS:
         raise ValueError(f"name: expected one of {tuple(SWEEPS)}, got {name!r}")
     s = SWEEPS[name]
-    return Sweep(name, s["func"], s["quick" if quick else "full"](), s["spec_columns"], s["columns"])
+    specs = s["quick" if quick else "full"]()
+    batch = dict(batch=s["batch"], group=s["group"]) if lockstep and "batch" in s else {}
+    return Sweep(name, s["func"], specs, s["spec_columns"], s["columns"], **batch)
 
 
 # ----------------------------------------------------------------------------- analysis helpers
@@ -1223,11 +1265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     g.add_argument("--workers", type=int, default=0, help="start a local Dask cluster with this many processes")
     g.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--sequential", action="store_true", help="chain sweeps: one chain at a time (default: in lockstep)")
     args = p.parse_args(argv)
     if args.workers < 0:
         p.error("--workers: expected an integer >= 0")
     info = run_sweep(
-        sweep(args.sweep, args.quick),
+        sweep(args.sweep, args.quick, lockstep=not args.sequential),
         args.out,
         workers=args.workers,
         scheduler=args.scheduler,

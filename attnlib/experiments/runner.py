@@ -13,7 +13,12 @@ id) and a module-level function ``func(spec) -> list of row dicts``. :func:`attn
   ``workers=0`` runs in this process without Dask;
 * appends each finished run's rows in one write, flushed and fsynced, as results arrive. A
   worker that dies has its runs rescheduled by Dask; a driver that dies loses only the runs not
-  yet written, and the next call computes exactly those.
+  yet written, and the next call computes exactly those;
+* where the sweep has a ``batch`` function and a ``group`` key (the regime-(ii) chain sweeps: the
+  chains of one configuration, :func:`attnlib.optim.run_chains`), computes the missing runs of one group
+  together, at most ``max_group`` per call, ``batch(specs) -> one list of rows per spec``; each run is
+  still written as its own block, so files, resumption and the reader are unchanged (a group that is half
+  done computes only its missing runs).
 
 Rows are tidy: the spec's fields, then the function's columns, then ``run``, ``nrows``,
 ``cpu_s`` and ``wall_s`` (process CPU time and wall time of the run on its worker).
@@ -32,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["Sweep", "run_sweep", "read_sweep", "clean_sweep_file", "execute_run", "BOOKKEEPING"]
+__all__ = ["Sweep", "run_sweep", "read_sweep", "clean_sweep_file", "execute_run", "execute_batch", "BOOKKEEPING"]
 
 #: Columns the runner adds to every row.
 BOOKKEEPING = ("run", "nrows", "cpu_s", "wall_s")
@@ -45,7 +50,10 @@ class Sweep:
     ``specs``: one dict per run, JSON-like values, each with a unique ``"run"`` id; optional
     ``"cost"`` (relative, for scheduling; not written). ``func``: a module-level function (so
     that workers can import it) mapping a spec to a non-empty list of row dicts with keys
-    ``columns``. ``spec_columns``: the spec fields written to every row.
+    ``columns``. ``spec_columns``: the spec fields written to every row. ``batch`` and ``group``
+    (optional, both or neither; module level): ``batch(specs)`` computes the runs of specs with one
+    ``group(spec)`` key together and returns, per spec, what ``func(spec)`` returns (equal to round-off);
+    ``max_group`` bounds the specs per call.
     """
 
     name: str
@@ -54,6 +62,9 @@ class Sweep:
     spec_columns: Sequence[str]
     columns: Sequence[str]
     meta: Dict[str, object] = field(default_factory=dict)
+    batch: Optional[Callable[[List[dict]], List[List[dict]]]] = None
+    group: Optional[Callable[[dict], str]] = None
+    max_group: int = 16
 
     def __post_init__(self):
         ids = [s.get("run") for s in self.specs]
@@ -64,6 +75,10 @@ class Sweep:
         clash = set(self.spec_columns) & set(self.columns)
         if clash or set(BOOKKEEPING) & (set(self.spec_columns) | set(self.columns)):
             raise ValueError(f"columns: names must be unique and not in {BOOKKEEPING}, clash {sorted(clash)}")
+        if (self.batch is None) != (self.group is None):
+            raise ValueError("batch, group: give both (runs computed together by group) or neither")
+        if isinstance(self.max_group, bool) or not isinstance(self.max_group, int) or self.max_group < 1:
+            raise ValueError(f"max_group: expected an integer >= 1, got {self.max_group!r}")
 
     @property
     def header(self) -> List[str]:
@@ -78,6 +93,39 @@ def execute_run(func: Callable[[dict], List[dict]], spec: dict) -> List[dict]:
     if not rows:
         raise ValueError(f"func: run {spec['run']!r} returned no rows")
     return [dict(r, run=spec["run"], nrows=len(rows), cpu_s=cpu, wall_s=wall) for r in rows]
+
+
+def execute_batch(batch: Callable[[List[dict]], List[List[dict]]], specs: List[dict]) -> List[List[dict]]:
+    """Run specs together (``batch``) and attach each run's bookkeeping; ``cpu_s`` and ``wall_s`` are the
+    call's times divided by the number of runs (executed on the worker)."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    results = batch(specs)
+    cpu, wall = (time.process_time() - c0) / len(specs), (time.perf_counter() - w0) / len(specs)
+    if len(results) != len(specs) or any(not rows for rows in results):
+        raise ValueError(f"batch: expected a non-empty list of rows for each of the {len(specs)} runs")
+    return [
+        [dict(r, run=spec["run"], nrows=len(rows), cpu_s=cpu, wall_s=wall) for r in rows]
+        for spec, rows in zip(specs, results)
+    ]
+
+
+def _tasks(sweep: Sweep, todo: List[dict]) -> List[List[dict]]:
+    """The units of work: one spec each, or (with ``sweep.batch``) the specs of a group, ``max_group`` at a time,
+    in the order of each group's first spec."""
+    if sweep.batch is None:
+        return [[s] for s in todo]
+    groups: Dict[str, List[dict]] = {}
+    for s in todo:
+        groups.setdefault(sweep.group(s), []).append(s)
+    m = sweep.max_group
+    return [g[i : i + m] for g in groups.values() for i in range(0, len(g), m)]
+
+
+def _execute(func, batch, specs: List[dict]) -> List[List[dict]]:
+    """One unit of :func:`_tasks`: ``execute_run`` of its one spec, or ``execute_batch`` of its specs."""
+    if batch is None:
+        return [execute_run(func, specs[0])]
+    return execute_batch(batch, specs)
 
 
 def _fmt(v) -> str:
@@ -289,14 +337,18 @@ def _run_on_cluster(sweep: Sweep, todo: List[dict], emit: _Emitter, *, workers, 
                 own_client = Client(cluster)
             client = own_client
         by_key, futures = {}, []
-        for spec in todo:
-            fut = client.submit(execute_run, sweep.func, spec, key=f"{sweep.name}-{spec['run']}", pure=False)
-            by_key[fut.key] = spec
+        for specs in _tasks(sweep, todo):
+            key = f"{sweep.name}-{specs[0]['run']}"
+            fut = client.submit(_execute, sweep.func, sweep.batch, specs, key=key, pure=False)
+            by_key[fut.key] = specs
             futures.append(fut)
         for fut in as_completed(futures):
+            for spec, rows in zip(by_key[fut.key], fut.result()):
+                if emit.full:
+                    break
+                emit(spec, rows)
             if emit.full:
                 break
-            emit(by_key[fut.key], fut.result())
         for fut in futures:
             fut.cancel()
     finally:
@@ -332,10 +384,12 @@ def run_sweep(
         emit = _Emitter(fh, sweep, len(todo), progress, on_result, max_runs)
         try:
             if workers == 0 and scheduler is None and client is None:
-                for spec in todo:
+                for specs in _tasks(sweep, todo):
                     if emit.full:
                         break
-                    emit(spec, execute_run(sweep.func, spec))
+                    for spec, rows in zip(specs, _execute(sweep.func, sweep.batch, specs)):
+                        if not emit.full:
+                            emit(spec, rows)
             else:
                 _run_on_cluster(sweep, todo, emit, workers=workers, scheduler=scheduler, client=client)
         finally:

@@ -165,10 +165,10 @@ def _gradient_lines(d: int) -> list:
     body = [f"            g{a} = z" for a in range(d)]
     body += [
         "            for kk in range(k):",
-        "                r = " + " + ".join(f"A[kk, {a}] * o{a}" for a in range(d)) + " - Yq[b, i, kk]",
+        "                r = " + " + ".join(f"A[g, kk, {a}] * o{a}" for a in range(d)) + " - Yq[b, i, kk]",
         "                R[b, i, kk] = r",
     ]
-    body += [f"                g{a} += A[kk, {a}] * r" for a in range(d)]
+    body += [f"                g{a} += A[g, kk, {a}] * r" for a in range(d)]
     body += ["            og = " + " + ".join(f"o{a} * g{a}" for a in range(d))]
     sym = lambda a, c: f"m{min(a, c)}{max(a, c)}"  # noqa: E731
     return body + [
@@ -187,11 +187,12 @@ def _kernel_source(d: int) -> str:
         "    P = XT.shape[0]",
         "    n = XT.shape[2]",
         "    m = QB.shape[1]",
-        "    k = A.shape[0]",
+        "    k = A.shape[1]",
         "    z = QB[0, 0, 0] - QB[0, 0, 0]  # a zero of the input dtype (QB is finite)",
         "    nblk = (m + block - 1) // block",
         "    for item in prange(P * nblk):",
         "        b = item // nblk",
+        "        g = b // pg  # the parameter group (chain) of prompt b",
         "        i0 = (item % nblk) * block",
         "        i1 = min(m, i0 + block)",
     ]
@@ -216,7 +217,7 @@ def _kernel_source(d: int) -> str:
         funcs += [
             "",
             f"@njit(cache=True, fastmath=True, nogil=True, parallel={par})",
-            f"def {name}(XT, QB, xmax, A, Yq, out, R, H, block, tiny):",
+            f"def {name}(XT, QB, xmax, A, Yq, out, R, H, block, tiny, pg):",
             text,
             "",
         ]
@@ -308,23 +309,31 @@ def moments(B, X, queries=None) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run_kernel(B, X, Q, A=None, Yq=None):
-    """The moment pass: ``(O, Mpacked, R, H)``, numpy arrays in ``X``'s dtype (``R``, ``H`` need ``A``, ``Yq``)."""
+    """The moment pass: ``(O, Mpacked, R, H)``, numpy arrays in ``X``'s dtype (``R``, ``H`` need ``A``, ``Yq``).
+
+    ``A`` (k, d) and ``B`` (d, d) for every prompt, or per group: ``A`` (G, k, d), ``B`` (G, d, d), the
+    P prompts split into G consecutive groups of P / G (the chains of :func:`attnlib.optim.run_chains`).
+    """
     P, n, d = X.shape
     m = Q.shape[1]
     mod = _kernel_module(d)
+    G = B.shape[0] if B.dim() == 3 else 1
     XT = X.transpose(1, 2).contiguous().numpy()
-    QB = (Q @ B).contiguous().numpy()
+    if B.dim() == 3:
+        QB = (Q.reshape(G, (P // G) * m, d) @ B).reshape(P, m, d).contiguous().numpy()
+    else:
+        QB = (Q @ B).contiguous().numpy()
     xmax = X.norm(dim=2).amax(dim=1).contiguous().numpy()
     if A is None:
-        A_np, Y_np = np.zeros((0, d), dtype=XT.dtype), np.zeros((P, m, 0), dtype=XT.dtype)
+        A_np, Y_np = np.zeros((G, 0, d), dtype=XT.dtype), np.zeros((P, m, 0), dtype=XT.dtype)
     else:
-        A_np, Y_np = A.contiguous().numpy(), Yq.contiguous().numpy()
-    k = A_np.shape[0]
+        A_np, Y_np = A.reshape(G, -1, d).contiguous().numpy(), Yq.contiguous().numpy()
+    k = A_np.shape[1]
     out = np.empty((P, m, d + d * (d + 1) // 2), dtype=XT.dtype)
     R = np.empty((P, m, k), dtype=XT.dtype)
     H = np.empty((P, m, d), dtype=XT.dtype)
     threads = _threads()
-    args = (XT, QB, xmax, A_np, Y_np, out, R, H, _BLOCK, _TINY[X.dtype])
+    args = (XT, QB, xmax, A_np, Y_np, out, R, H, _BLOCK, _TINY[X.dtype], P // G)
     if threads > 1:
         import numba
 
@@ -392,17 +401,25 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
 
 
 def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None):
+    """``(loss, gA, gB)``; with per-group ``A`` (G, k, d), ``B`` (G, d, d): one per group, shapes (G,), (G, k, d),
+    (G, d, d)."""
     O, _, R, H = _run_kernel(B, X3, Q3, A, Y3)
     f8 = torch.float64
-    d, k = X3.shape[2], A.shape[0]
+    d, k = X3.shape[2], A.shape[-2]
     P, N = Q3.shape[0], Q3.shape[1]
-    O = torch.from_numpy(np.ascontiguousarray(O).reshape(-1, d)).to(f8)
-    R = torch.from_numpy(R.reshape(-1, k)).to(f8)
-    H = torch.from_numpy(H.reshape(-1, d)).to(f8)
-    scale = 1.0 / (N * P)
-    loss = (0.5 * scale) * (R * R).sum()
-    gA = (R.T @ O) * scale
-    gB = (Q3.reshape(-1, d).to(f8).T @ H) * scale
+    G = A.shape[0] if A.dim() == 3 else 1
+    scale = 1.0 / (N * (P // G))
+    O = torch.from_numpy(np.ascontiguousarray(O).reshape(G, -1, d)).to(f8)
+    R = torch.from_numpy(R.reshape(G, -1, k)).to(f8)
+    H = torch.from_numpy(H.reshape(G, -1, d)).to(f8)
+    Qf = Q3.reshape(G, -1, d).to(f8)
+    if A.dim() == 2:  # one parameter set (kept as 2-d products: the committed numbers' round-off)
+        O, R, H, Qf = O[0], R[0], H[0], Qf[0]
+        loss = (0.5 * scale) * (R * R).sum()
+    else:
+        loss = (0.5 * scale) * (R * R).sum(dim=(1, 2))
+    gA = (R.mT @ O) * scale
+    gB = (Qf.mT @ H) * scale
     dt = X3.dtype if out_dtype is None else out_dtype
     return loss.to(dt), gA.to(dt), gB.to(dt)
 
@@ -421,6 +438,8 @@ class _KernelLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         gA, gB = ctx.saved_tensors
+        if gA.dim() == 3:  # per group: one loss per group
+            grad = grad[:, None, None]
         return grad * gA, grad * gB, None, None, None
 
 
@@ -444,5 +463,7 @@ def _kernel_loss_unchecked(A, B, X3, Y3, Q3=None) -> torch.Tensor:
     """:func:`kernel_loss` on already validated (P, n, d) tokens, (P, m, k) targets and (P, m, d) queries.
 
     For callers that validated their data once (the regime-(ii) objective's own prompts): no checks here.
+    With per-group parameters ``A`` (G, k, d), ``B`` (G, d, d) (G chains, the P prompts in G consecutive
+    groups of P / G): the G losses, shape (G,), each differentiable in its own ``A[g]``, ``B[g]``.
     """
     return _KernelLoss.apply(A, B, X3, Y3, X3 if Q3 is None else Q3)

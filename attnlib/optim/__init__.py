@@ -5,7 +5,8 @@
 * :func:`fit`: the one entry point, ``fit(objective, config, init)``; the presets :func:`train`
   (one sequence, regime (i)), :func:`train_population` (the infinite-data limit),
   :func:`train_prompts` and :func:`run_chain` (context length ``n``, regime (ii)) build the objective and
-  the start and call it;
+  the start and call it; :func:`run_chains` advances several chains of one configuration in lockstep
+  (``attnlib.optim.lockstep``: one kernel call and one batched update per step for all of them);
 * objectives (``attnlib.optim.objectives``), step rules and the method registry
   (``attnlib.optim.steps``), the loop with its record, divergence guard and hooks
   (``attnlib.optim.loop``), step-size grids (``attnlib.optim.grid``), and the practitioners'
@@ -17,6 +18,7 @@ The renormalization after each update is :class:`attnlib.geometry.Renormalizatio
 from .api import ChainResult, fit, run_chain, train, train_population, train_prompts
 from .config import ChainConfig, PromptConfig, TrainConfig
 from .grid import GridCache, best_of_grid
+from .lockstep import run_chains
 from .loop import DivergenceError, DivergenceGuard, History, IterateAverage, Recorder, Snapshots, run
 from .objectives import Objective, PromptObjective, empirical_objective, population_objective
 from .steps import METHODS, GradientStep, Method, SGDStep, Step, TorchOptimizerStep, register_method
@@ -30,6 +32,7 @@ __all__ = [
     "train_population",
     "train_prompts",
     "run_chain",
+    "run_chains",
     "ChainResult",
     "Objective",
     "empirical_objective",

@@ -1,0 +1,246 @@
+r"""Chains in lockstep: ``C`` independent regime-(ii) chains of one configuration, advanced together.
+
+:func:`run_chains` is :func:`attnlib.optim.run_chain` for ``C`` seeds at once. Every step draws each
+chain's prompts from that chain's own generator (so chain ``c`` sees exactly the prompts that
+``run_chain(task, n, config, seed=seeds[c])`` sees), then evaluates all ``C x P`` prompts in **one**
+call of the moment kernel with each chain's own ``(A, B)`` (per-group parameters,
+:func:`attnlib.model.kernels._kernel_loss_unchecked`; batched SDPA on CUDA), and does the rest of the
+step batched over the chains with torch (no Python loop per chain): the control variate, one autograd
+pass for the ``C`` gradients, the preconditioned structured update and the renormalization
+(:meth:`attnlib.geometry.Renormalization.stacked`). So Python and launch overhead is paid once per step,
+not once per chain and step. Each chain's record (``History``, every ``record_every`` steps), its iterate
+average and its :class:`~attnlib.optim.ChainResult` equal those of the sequential chain to round-off
+(``tests/test_lockstep.py`` asks 1e-12 relative; the prompts are identical bit for bit). ``History.time``
+is the lockstep's wall time divided by ``C``.
+
+Scope: the structured method (preconditioned gradient steps, any renormalization, the regularizer if
+configured), the control-variate or plain estimate, either engine and attention dtype. Divergence is the
+sequential loop's business: if any chain's objective or iterate stops being finite (or the kernel's
+softmax sums underflow), the chains are rerun one by one with :func:`~attnlib.optim.run_chain`, whose
+divergence policy then applies, and the results are those chains' (exactly the sequential ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .._validate import check_positive_int
+from ..geometry import Renormalization, _stacked_distance, manifold_point
+from ..model.finite_n import softmax_scale
+from ..model.kernels import _kernel_loss_unchecked, resolve_engine
+from ..model.prompts import sample_prompts
+from ..model.task import Task, check_task
+from ..rng import make_generator
+from .api import ChainResult, _start, run_chain
+from .config import ChainConfig, make_config
+from .loop import History
+
+__all__ = ["run_chains"]
+
+
+class _Diverged(Exception):
+    """A chain stopped being finite: the lockstep hands over to the sequential chains."""
+
+
+class _Stacked:
+    """The regime-(ii) estimate of ``C`` chains on their own prompts (``PromptObjective``, batched)."""
+
+    def __init__(self, task: Task, n: int, cfg: ChainConfig, seeds: Sequence[int]):
+        self.task, self.n, self.P, self.cfg = task, n, cfg.prompts, cfg
+        self.gens = [make_generator(int(s)) for s in seeds]
+        self.adt = task.dtype if cfg.attention_dtype is None else cfg.attention_dtype
+        self.lam = cfg.lam if cfg.use_regularizer else 0.0
+        probe = torch.empty(0, task.d, dtype=self.adt, device=task.device)
+        self.kernel = resolve_engine(cfg.engine, probe) == "kernel"  # decided once, not at every step
+        self.calls = 0
+
+    def draw(self):
+        self.calls += 1
+        pairs = [sample_prompts(self.task, self.n, self.P, generator=g) for g in self.gens]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+    def attention(self, A, B, X, Y) -> torch.Tensor:
+        """``mean_b Lhat_n(X_b)`` per chain, shape (C,): ``X`` (C, P, n, d), ``Y`` (C, P, n, k)."""
+        C, P, n, d = X.shape
+        Xa, Ya = X.to(self.adt).reshape(C * P, n, d), Y.to(self.adt).reshape(C * P, n, -1)
+        if self.kernel:
+            return _kernel_loss_unchecked(A, B, Xa, Ya).to(A.dtype)
+        Aa, Ba = A.to(Xa.dtype), B.to(Xa.dtype)
+        q = (Xa.reshape(C, P * n, d) @ Ba).reshape(C * P, 1, n, d)
+        kv = Xa[:, None]
+        out = F.scaled_dot_product_attention(q, kv, kv, scale=1.0)[:, 0].reshape(C, P * n, d) @ Aa.mT
+        losses = 0.5 * ((out.reshape(C, P, n, -1) - Ya.reshape(C, P, n, -1)) ** 2).sum(dim=(2, 3)) / n
+        return losses.mean(dim=1).to(A.dtype)
+
+    def __call__(self, A, B):
+        """``(loss, objective)``, each of shape (C,), on fresh prompts of every chain."""
+        X, Y = self.draw()
+        att = self.attention(A, B, X, Y)
+        if self.cfg.control_variate:
+            S = self.task.Sigma
+            G = A @ S @ B.mT
+            C, P, n, d = X.shape
+            out = (X.reshape(C, P * n, d) @ G.mT).reshape(C, P, n, -1)
+            lim = (0.5 * ((out - Y) ** 2).sum(dim=(2, 3)) / n).mean(dim=1)
+            E = G - self.task.M
+            pop = 0.5 * torch.sum((E @ S) * E, dim=(1, 2)) + self.task.bayes_risk
+            loss = pop + (att - lim)
+        else:
+            loss = att
+        if not self.lam:
+            return loss, loss
+        S = self.task.Sigma
+        DS = (A.mT @ A - B.mT @ S @ B) @ S
+        return loss, loss + 0.25 * self.lam * torch.sum(DS * DS.mT, dim=(1, 2))
+
+
+def _config(config, options) -> ChainConfig:
+    cfg = make_config(ChainConfig, config, options)
+    if cfg.method != "structured" or not cfg.use_preconditioner:
+        raise ValueError(
+            f"method: run_chains runs the structured method with its preconditioner, got {cfg.method!r}"
+            f" (precondition={cfg.use_preconditioner}); use run_chain for the others"
+        )
+    return cfg
+
+
+def _starts(task: Task, cfg: ChainConfig, seeds, renorm: Optional[Renormalization]):
+    """Each chain's start, as :func:`~attnlib.optim.run_chain` builds it, stacked: (C, k, d), (C, d, d)."""
+    As, Bs = [], []
+    for s in seeds:
+        c = dataclasses.replace(cfg, seed=int(s))
+        A, B = _start(c, task.d, task.k, "spectral", lambda: manifold_point(task, task.svd[2]), task.Sigma)
+        if renorm is not None:
+            A, B = renorm(A, B)
+        As.append(A)
+        Bs.append(B)
+    return torch.stack(As), torch.stack(Bs)
+
+
+class _Record:
+    """Every chain's :class:`~attnlib.optim.History` and iterate average (the Recorder and IterateAverage, batched)."""
+
+    def __init__(self, task: Task, cfg: ChainConfig, n: int, seeds):
+        info = dict(n=n, objective="expected loss L_n")
+        summaries = [dataclasses.replace(cfg, seed=s).summary() for s in seeds]
+        self.hists = [History(method=cfg.method, config={**sm, **info}) for sm in summaries]
+        C = len(seeds)
+        self.task, self.burn_in, self.C = task, cfg.burn_in, C
+        self.overflow = float(torch.finfo(task.dtype).max) ** 0.5
+        self.G_sum = torch.zeros(C, *task.M.shape, dtype=task.dtype, device=task.device)
+        self.loss_sum = [0.0] * C
+        self.count = 0
+
+    def record(self, t, A, B, loss, obj, grads, elapsed) -> None:
+        with torch.no_grad():
+            E = A @ self.task.Sigma @ B.mT - self.task.M
+            excess = (0.5 * torch.sum((E @ self.task.Sigma) * E, dim=(1, 2))).tolist()
+            if not all(e <= self.overflow for e in excess):
+                raise _Diverged
+            dist = _stacked_distance(A, B, self.task).tolist()
+            gn = torch.sqrt(torch.sum(grads[0] ** 2, dim=(1, 2)) + torch.sum(grads[1] ** 2, dim=(1, 2))).tolist()
+        for c, (h, lo, ob) in enumerate(zip(self.hists, loss.tolist(), obj.tolist())):
+            h.excess.append(excess[c])
+            h.dist.append(dist[c])
+            h.steps.append(t)
+            h.loss.append(lo)
+            h.objective.append(ob)
+            h.grad_norm.append(gn[c])
+            h.time.append(elapsed / self.C)
+
+    def average(self, t, A, B, loss) -> None:
+        if t >= self.burn_in:
+            with torch.no_grad():
+                self.G_sum += A.detach() @ self.task.Sigma @ B.detach().mT
+            self.loss_sum = [s + v for s, v in zip(self.loss_sum, loss.tolist())]
+            self.count += 1
+
+
+def _finite(*tensors) -> None:
+    if not all(bool(torch.isfinite(x).all()) for x in tensors):
+        raise _Diverged
+
+
+def _update(A, B, grads, cfg: ChainConfig, S_inv, renorm: Optional[Renormalization]) -> None:
+    """The structured step of every chain (preconditioned; balanced coordinates after "cap"/"fix"), renormalized."""
+    gA, gB = grads[0] @ S_inv, S_inv @ grads[1] @ S_inv
+    with torch.no_grad():
+        if renorm is not None and renorm.mode in ("cap", "fix"):
+            gamma2 = renorm.stacked_gamma2(A.detach(), B.detach())[:, None, None]
+            A -= (cfg.lr * gamma2) * gA
+            B -= (cfg.lr / gamma2) * gB
+        else:
+            A -= cfg.lr * gA
+            B -= cfg.lr * gB
+        _finite(A, B)
+        if renorm is not None:
+            A_new, B_new = renorm.stacked(A, B)
+            A.copy_(A_new)
+            B.copy_(B_new)
+        _finite(A, B)
+
+
+def _lockstep(task: Task, n: int, cfg: ChainConfig, seeds) -> List[ChainResult]:
+    """The loop of :func:`attnlib.optim.run` for every chain at once (raises ``_Diverged``)."""
+    mode = cfg.renormalization
+    renorm = Renormalization(mode, task, cfg.nu_cap) if mode else None
+    A0, B0 = _starts(task, cfg, seeds, renorm)
+    A, B = A0.requires_grad_(True), B0.requires_grad_(True)
+    estimate, rec = _Stacked(task, n, cfg, seeds), _Record(task, cfg, n, seeds)
+    S_inv, elapsed = torch.linalg.inv(task.Sigma), 0.0
+    for t in range(cfg.steps + 1):
+        t0 = time.perf_counter()
+        loss, obj = estimate(A, B)
+        grads = torch.autograd.grad(obj.sum(), (A, B))
+        elapsed += time.perf_counter() - t0
+        _finite(obj.detach(), A.detach(), B.detach())
+        if (t % cfg.record_every == 0) or t == cfg.steps:
+            rec.record(t, A.detach(), B.detach(), loss.detach(), obj.detach(), grads, elapsed)
+        rec.average(t, A, B, loss.detach())
+        if t == cfg.steps:
+            break
+        t0 = time.perf_counter()
+        _update(A, B, grads, cfg, S_inv, renorm)
+        elapsed += time.perf_counter() - t0
+    return _results(task, rec, A.detach(), B.detach(), estimate.calls)
+
+
+def _results(task: Task, rec: _Record, A, B, calls: int) -> List[ChainResult]:
+    out = []
+    for c, h in enumerate(rec.hists):
+        h.A, h.B = A[c].clone(), B[c].clone()
+        R = rec.G_sum[c] / rec.count - task.M
+        out.append(
+            ChainResult(
+                R=R.cpu().numpy(),
+                naive_excess=0.5 * float(torch.sum((R @ task.Sigma) * R)),
+                test_excess=rec.loss_sum[c] / rec.count - task.bayes_risk,
+                nu=softmax_scale(h.A, h.B, task),
+                history=h,
+                batches=calls,
+            )
+        )
+    return out
+
+
+def run_chains(task: Task, n: int, seeds: Sequence[int], config: Optional[ChainConfig] = None, /, **options):
+    """``[run_chain(task, n, config, seed=s) for s in seeds]``, computed in lockstep (see the module docstring).
+
+    ``seeds``: one per chain (distinct, e.g. ``derive_seed``); ``config`` (a :class:`ChainConfig`) and/or
+    its fields as keywords, its ``seed`` ignored; the structured method only. Returns one
+    :class:`~attnlib.optim.ChainResult` per seed, in order, equal to the sequential chains' to round-off.
+    """
+    task, n = check_task(task), check_positive_int(n, "n")
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("seeds: expected at least one seed")
+    cfg = _config(config, {**options, "seed": seeds[0]})
+    try:
+        return _lockstep(task, n, cfg, seeds)
+    except (_Diverged, ZeroDivisionError):
+        return [run_chain(task, n, dataclasses.replace(cfg, seed=s)) for s in seeds]
