@@ -37,6 +37,35 @@ def _bits_to_float(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def _float_to_bits(typingctx, x):
+    """Reinterpret the bits of a float64 (float32) as an int64 (int32)."""
+    if x == types.float64:
+        sig, llty = types.int64(types.float64), ir.IntType(64)
+    elif x == types.float32:
+        sig, llty = types.int32(types.float32), ir.IntType(32)
+    else:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llty)
+
+    return sig, codegen
+
+
+@intrinsic
+def _exact_sub(typingctx, a, b):
+    """``a - b`` that fast-math may not reassociate (its one flag, ``nnan``, keeps numba's fast-math pass away, and
+    without ``reassoc`` LLVM cannot fold ``(t + S) - S`` to ``t``: the rounding trick below needs that subtraction)."""
+    if a != b or a not in (types.float64, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fsub(args[0], args[1], flags=("nnan",))
+
+    return a(a, b), codegen
+
+
 def exp_nonpos(x):  # pragma: no cover - replaced in compiled code by the overload below
     """``exp(x)`` for a float32 or float64 scalar ``x <= 0`` inside numba-compiled code."""
     raise NotImplementedError
@@ -48,7 +77,9 @@ def _exp_nonpos_impl(x):
 
         def impl64(x):
             x = max(x, -700.0)
-            k = np.floor(x * 1.4426950408889634 + 0.5)
+            # t = 1.5 2^52 + 1023 + round(x / ln 2): its last mantissa bits hold k + 1023, the exponent of 2^k
+            t = x * 1.4426950408889634 + 6755399441056767.0
+            k = _exact_sub(t, 6755399441056767.0)
             r = x - k * 0.6931471803691238  # ln 2, high part (exact product for |k| < 2^21)
             r = r - k * 1.9082149292705877e-10  # ln 2, low part
             # exp(r), |r| <= 0.347: Taylor to degree 12 (truncation < 2e-16 relative)
@@ -65,14 +96,15 @@ def _exp_nonpos_impl(x):
             p = p * r + 0.5
             p = p * r + 1.0
             p = p * r + 1.0
-            return p * _bits_to_float((np.int64(k) + np.int64(1023)) << np.int64(52))
+            return p * _bits_to_float(_float_to_bits(t) << np.int64(52))
 
         return impl64
     if x == types.float32:
 
         def impl32(x):
             x = max(x, np.float32(-87.0))
-            k = np.floor(x * np.float32(1.442695) + np.float32(0.5))
+            t = x * np.float32(1.442695) + np.float32(12583039.0)  # 1.5 2^23 + 127 + round(x / ln 2)
+            k = _exact_sub(t, np.float32(12583039.0))
             r = x - k * np.float32(0.693359375)  # ln 2, high part (9 bits)
             r = r - k * np.float32(-2.12194440e-4)  # ln 2, low part
             p = np.float32(1.9875691500e-4)
@@ -82,7 +114,7 @@ def _exp_nonpos_impl(x):
             p = p * r + np.float32(1.6666665459e-1)
             p = p * r + np.float32(5.0000001201e-1)
             p = p * r * r + r + np.float32(1.0)
-            return p * _bits_to_float(np.int32((np.int32(k) + np.int32(127)) << np.int32(23)))
+            return p * _bits_to_float(np.int32(_float_to_bits(t) << np.int32(23)))
 
         return impl32
     return None

@@ -132,63 +132,32 @@ def _unsupported(X: torch.Tensor) -> Optional[str]:
 # ----------------------------------------------------------------------------- code generation
 
 
-def _accumulate_lines(d: int, dot: str, dot_x, acc) -> list:
-    """Per query: the softmax-weighted sums ``Z, o, M`` over the keys (one exponential per pair), normalized."""
-    pairs = [(a, c) for a in range(d) for c in range(a, d)]
-    body = [
-        "            c = np.sqrt(" + " + ".join(f"q{c} * q{c}" for c in range(d)) + ") * xmax[b]",
-        "            for attempt in range(2):",
-        "                " + " = ".join(acc) + " = z",
-        "                for j in range(n):",
-    ]
-    body += [f"                    y{c} = x{c}[j]" for c in range(d)]
-    body += [f"                    e = exp_nonpos({dot} - c)", "                    Z += e"]
-    body += [f"                    a{a} = e * y{a}" for a in range(d)]
-    body += [f"                    o{a} += a{a}" for a in range(d)]
-    body += [f"                    m{a}{c} += a{a} * y{c}" for a, c in pairs]
-    body += [
-        "                if Z >= tiny:",
-        "                    break",
-        "                c = " + dot_x(0),  # every weight underflowed: shift by the exact maximum, redo
-        "                for j in range(1, n):",
-        "                    v = " + dot_x("j"),
-        "                    if v > c:",
-        "                        c = v",
-        "            inv = 1 / Z",
-    ]
-    body += [f"            {name} *= inv" for name in acc[1:]]
-    return body + [f"            out[b, i, {t}] = {name}" for t, name in enumerate(acc[1:])]
+def _stats_size(d: int, k: int) -> int:
+    """Per work item, the partial sums over its queries: ``sum r^2``, ``sum r o^T`` (k x d), ``sum q h^T``
+    (d x d), then for the control variate ``sum rho^2`` and ``sum rho q^T`` (k x d)."""
+    return 1 + k * d + d * d + 1 + k * d
 
 
-def _gradient_lines(d: int) -> list:
-    """Per query: ``r = A o - y``, ``g = A^T r``, ``h = (M - o o^T) g`` (the loss's 1/N is applied by the caller)."""
-    body = [f"            g{a} = z" for a in range(d)]
-    body += [
-        "            for kk in range(k):",
-        "                r = " + " + ".join(f"A[g, kk, {a}] * o{a}" for a in range(d)) + " - Yq[b, i, kk]",
-        "                R[b, i, kk] = r",
-    ]
-    body += [f"                g{a} += A[g, kk, {a}] * r" for a in range(d)]
-    body += ["            og = " + " + ".join(f"o{a} * g{a}" for a in range(d))]
-    sym = lambda a, c: f"m{min(a, c)}{max(a, c)}"  # noqa: E731
-    return body + [
-        f"            H[b, i, {a}] = " + " + ".join(f"{sym(a, c)} * g{c}" for c in range(d)) + f" - o{a} * og"
-        for a in range(d)
-    ]
+def _kernel_source(d: int, k: int) -> str:
+    """numba source of the moment kernel for tokens of dimension ``d`` and targets of dimension ``k``
+    (two functions: serial and parallel).
 
-
-def _kernel_source(d: int) -> str:
-    """numba source of the moment kernel for tokens of dimension ``d`` (two functions: serial and parallel)."""
-    pairs = [(a, c) for a in range(d) for c in range(a, d)]
-    dot = " + ".join(f"q{c} * y{c}" for c in range(d))
-    dot_x = lambda j: " + ".join(f"q{c} * x{c}[{j}]" for c in range(d))  # noqa: E731
-    acc = ["Z"] + [f"o{a}" for a in range(d)] + [f"m{a}{c}" for a, c in pairs]
-    body = [
+    Per query ``i`` (one work item: a block of ``block`` queries of one prompt ``b``, parameter group
+    ``g = b // pg``): the shift ``c``, then one pass over the keys accumulating ``Z = sum_j e_j``,
+    ``o = sum_j e_j x_j`` and ``N = sum_j e_j x_j u_j^T`` with ``e_j = exp(qB x_j - c)`` and
+    ``u_j = A x_j`` (``UT``: precomputed per key), in the attention dtype; then, in float64,
+    ``r = A o - y``, ``h = N r - o (A o . r) = (M - o o^T) A^T r`` and the item's partial sums ``S[item]``.
+    """
+    ax = [(a, c) for a in range(d) for c in range(k)]
+    acc = ["Z"] + [f"o{a}" for a in range(d)] + [f"n{a}_{c}" for a, c in ax]
+    dot = " + ".join(f"q{a} * y{a}" for a in range(d))
+    dot_x = lambda j: " + ".join(f"q{a} * x{a}[{j}]" for a in range(d))  # noqa: E731
+    kd = k * d
+    L = [
         "    P = XT.shape[0]",
         "    n = XT.shape[2]",
-        "    m = QB.shape[1]",
-        "    k = A.shape[1]",
-        "    z = QB[0, 0, 0] - QB[0, 0, 0]  # a zero of the input dtype (QB is finite)",
+        "    m = Q.shape[1]",
+        "    z = XT[0, 0, 0] - XT[0, 0, 0]  # a zero of the attention dtype (XT is finite)",
         "    nblk = (m + block - 1) // block",
         "    for item in prange(P * nblk):",
         "        b = item // nblk",
@@ -196,13 +165,56 @@ def _kernel_source(d: int) -> str:
         "        i0 = (item % nblk) * block",
         "        i1 = min(m, i0 + block)",
     ]
-    body += [f"        x{c} = XT[b, {c}]" for c in range(d)]
-    body += ["        for i in range(i0, i1):"]
-    body += [f"            q{c} = QB[b, i, {c}]" for c in range(d)]
-    body += _accumulate_lines(d, dot, dot_x, acc) + _gradient_lines(d) + ["    return out"]
-    text = "\n".join(body)
+    L += [f"        x{a} = XT[b, {a}]" for a in range(d)]
+    L += [f"        u{c} = UT[b, {c}]" for c in range(k)]
+    L += ["        xm = z", "        for j in range(n):", "            v = " + " + ".join(f"x{a}[j] * x{a}[j]" for a in range(d))]
+    L += ["            xm = max(xm, v)", "        xmax = np.sqrt(np.float64(xm))", f"        qv = np.empty({d + 1}, XT.dtype)"]
+    L += ["        s = S[item]", "        for i in range(i0, i1):"]
+    L += [f"            w{a} = Q[b, i, {a}]" for a in range(d)]
+    for c in range(d):
+        L += [f"            qv[{c}] = " + " + ".join(f"w{a} * B[g, {a}, {c}]" for a in range(d))]
+    L += [f"            q{a} = qv[{a}]" for a in range(d)]
+    L += [
+        f"            qv[{d}] = np.sqrt(" + " + ".join(f"np.float64(q{a}) * q{a}" for a in range(d)) + ") * xmax",
+        f"            c = qv[{d}]  # >= every score (Cauchy-Schwarz), in the attention dtype",
+        "            for attempt in range(2):",
+        "                " + " = ".join(acc) + " = z",
+        "                for j in range(n):",
+    ]
+    L += [f"                    y{a} = x{a}[j]" for a in range(d)]
+    L += [f"                    e = exp_nonpos({dot} - c)", "                    Z += e"]
+    L += [f"                    o{a} += e * y{a}" for a in range(d)]
+    L += [f"                    t{c} = e * u{c}[j]" for c in range(k)]
+    L += [f"                    n{a}_{c} += t{c} * y{a}" for a, c in ax]
+    L += [
+        "                if Z >= tiny:",
+        "                    break",
+        "                c = " + dot_x(0),  # every weight underflowed: shift by the exact maximum, redo
+        "                for j in range(1, n):",
+        "                    c = max(c, " + dot_x("j") + ")",
+        "            inv = 1 / Z",
+    ]
+    L += [f"            {name} *= inv" for name in acc[1:]]
+    L += ["            if store:"] + [f"                out[b, i, {t}] = {name}" for t, name in enumerate(acc[1:])]
+    # per query, in float64: residual, h = N r - o (A o . r), partial sums
+    L += [f"            O{a} = np.float64(o{a})" for a in range(d)]
+    for c in range(k):
+        L += [f"            yq{c} = Yq[b, i, {c}]"]
+        L += [f"            r{c} = " + " + ".join(f"A[g, {c}, {a}] * O{a}" for a in range(d)) + f" - yq{c}"]
+    L += ["            ur = " + " + ".join(f"(r{c} + yq{c}) * r{c}" for c in range(k))]
+    L += [f"            h{a} = " + " + ".join(f"np.float64(n{a}_{c}) * r{c}" for c in range(k)) + f" - O{a} * ur"
+          for a in range(d)]  # fmt: skip
+    L += ["            s[0] += " + " + ".join(f"r{c} * r{c}" for c in range(k))]
+    L += [f"            s[{1 + c * d + a}] += r{c} * O{a}" for c in range(k) for a in range(d)]
+    L += [f"            s[{1 + kd + a * d + e}] += w{a} * h{e}" for a in range(d) for e in range(d)]
+    L += ["            if cv:"]
+    for c in range(k):
+        L += [f"                p{c} = " + " + ".join(f"Gm[g, {c}, {a}] * w{a}" for a in range(d)) + f" - yq{c}"]
+    L += [f"                s[{1 + kd + d * d}] += " + " + ".join(f"p{c} * p{c}" for c in range(k))]
+    L += [f"                s[{2 + kd + d * d + c * d + a}] += p{c} * w{a}" for c in range(k) for a in range(d)]
+    text = "\n".join(L)
     head = [
-        f'"""Generated by attnlib.model.kernels for d = {d}; do not edit (regenerated when it differs)."""',
+        f'"""Generated by attnlib.model.kernels for d = {d}, k = {k}; do not edit (regenerated when it differs)."""',
         "",
         "import numpy as np",
         "from numba import njit, prange",
@@ -217,7 +229,7 @@ def _kernel_source(d: int) -> str:
         funcs += [
             "",
             f"@njit(cache=True, fastmath=True, nogil=True, parallel={par})",
-            f"def {name}(XT, QB, xmax, A, Yq, out, R, H, block, tiny, pg):",
+            f"def {name}(XT, UT, Q, Yq, A, B, Gm, S, out, block, tiny, pg, cv, store):",
             text,
             "",
         ]
@@ -229,7 +241,7 @@ def _exp_hash() -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-_LOADED: Dict[int, object] = {}
+_LOADED: Dict[Tuple[int, int], object] = {}
 
 
 def _configure_numba() -> None:
@@ -252,28 +264,29 @@ def _configure_numba() -> None:
         config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
 
 
-def _kernel_module(d: int):
-    """The generated module for ``d`` (written to :func:`cache_dir` when missing or different)."""
-    if d in _LOADED:
-        return _LOADED[d]
+def _kernel_module(d: int, k: int):
+    """The generated module for ``(d, k)`` (written to :func:`cache_dir` when missing or different)."""
+    if (d, k) in _LOADED:
+        return _LOADED[d, k]
     if not _LOADED:
         _configure_numba()
-    src = _kernel_source(d)
+    src = _kernel_source(d, k)
+    name = f"attnlib_moments2_d{d}_k{k}"
     try:
-        path = _write_source(cache_dir(), d, src)
+        path = _write_source(cache_dir(), name, src)
     except OSError:  # a read-only home (some containers): a private folder in the temporary directory
-        path = _write_source(Path(tempfile.gettempdir()) / f"attnlib-kernels-{os.getuid()}", d, src)
-    spec = importlib.util.spec_from_file_location(f"attnlib_moments_d{d}", path)
+        path = _write_source(Path(tempfile.gettempdir()) / f"attnlib-kernels-{os.getuid()}", name, src)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # numba's cache rebuilds the kernel's environment by importing it by name
     spec.loader.exec_module(mod)
-    _LOADED[d] = mod
+    _LOADED[d, k] = mod
     return mod
 
 
-def _write_source(folder: Path, d: int, src: str) -> Path:
+def _write_source(folder: Path, name: str, src: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"attnlib_moments_d{d}.py"
+    path = folder / f"{name}.py"
     if not path.exists() or path.read_text() != src:  # rewriting an equal file would invalidate numba's cache
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(src)
@@ -308,32 +321,32 @@ def moments(B, X, queries=None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _moments(B.detach(), X.detach(), Q.detach())
 
 
-def _run_kernel(B, X, Q, A=None, Yq=None):
-    """The moment pass: ``(O, Mpacked, R, H)``, numpy arrays in ``X``'s dtype (``R``, ``H`` need ``A``, ``Yq``).
+def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
+    """One moment pass. ``X`` (P, n, d) keys in the attention dtype; ``Q`` (P, m, d) query tokens and ``Yq``
+    (P, m, k) their targets; ``A`` (k, d), ``B`` (d, d) for every prompt, or per group ``A`` (G, k, d),
+    ``B`` (G, d, d) (the P prompts split into G consecutive groups of P / G: the chains of
+    :func:`attnlib.optim.run_chains`); ``Gm`` the control variate's linear map, shaped like ``A``, or None.
 
-    ``A`` (k, d) and ``B`` (d, d) for every prompt, or per group: ``A`` (G, k, d), ``B`` (G, d, d), the
-    P prompts split into G consecutive groups of P / G (the chains of :func:`attnlib.optim.run_chains`).
+    Returns ``(S, out)``: ``S`` (G, :func:`_stats_size`) float64, each group's sums over its queries
+    (``sum ||r||^2``, ``sum r o^T``, ``sum q h^T``, then with ``Gm`` ``sum ||rho||^2``, ``sum rho q^T``,
+    ``rho = Gm q - y``), and with ``store`` ``out`` (P, m, d + d k): ``o_i`` and ``N_i`` per query.
     """
     P, n, d = X.shape
-    m = Q.shape[1]
-    mod = _kernel_module(d)
+    m, k = Q.shape[1], A.shape[-2]
     G = B.shape[0] if B.dim() == 3 else 1
-    XT = X.transpose(1, 2).contiguous().numpy()
-    if B.dim() == 3:
-        QB = (Q.reshape(G, (P // G) * m, d) @ B).reshape(P, m, d).contiguous().numpy()
-    else:
-        QB = (Q @ B).contiguous().numpy()
-    xmax = X.norm(dim=2).amax(dim=1).contiguous().numpy()
-    if A is None:
-        A_np, Y_np = np.zeros((G, 0, d), dtype=XT.dtype), np.zeros((P, m, 0), dtype=XT.dtype)
-    else:
-        A_np, Y_np = A.reshape(G, -1, d).contiguous().numpy(), Yq.contiguous().numpy()
-    k = A_np.shape[1]
-    out = np.empty((P, m, d + d * (d + 1) // 2), dtype=XT.dtype)
-    R = np.empty((P, m, k), dtype=XT.dtype)
-    H = np.empty((P, m, d), dtype=XT.dtype)
+    f8 = torch.float64
+    mod = _kernel_module(d, k)
+    A8 = A.reshape(G, k, d).to(f8).contiguous()
+    XT = X.transpose(1, 2).contiguous()
+    UT = (A8.to(X.dtype)[:, None] @ XT.reshape(G, P // G, d, n)).reshape(P, k, n)  # u_j = A x_j, per key
+    nblk = (m + _BLOCK - 1) // _BLOCK
+    S = np.zeros((P * nblk, _stats_size(d, k)))
+    out = np.empty((P, m, d + d * k) if store else (0, 0, 0), dtype=XT.numpy().dtype)
+    G8 = A8 if Gm is None else Gm.reshape(G, k, d).to(f8).contiguous()
+    args = (XT.numpy(), UT.numpy(), Q.to(f8).contiguous().numpy(), Yq.to(f8).contiguous().numpy(), A8.numpy(),
+            B.reshape(G, d, d).to(f8).contiguous().numpy(), G8.numpy(), S, out, _BLOCK, _TINY[X.dtype], P // G,
+            Gm is not None, store)  # fmt: skip
     threads = _threads()
-    args = (XT, QB, xmax, A_np, Y_np, out, R, H, _BLOCK, _TINY[X.dtype], P // G)
     if threads > 1:
         import numba
 
@@ -341,18 +354,15 @@ def _run_kernel(B, X, Q, A=None, Yq=None):
         mod.moments_parallel(*args)
     else:
         mod.moments_serial(*args)
-    return out[:, :, :d], out[:, :, d:], R, H
+    return S.reshape(G, P // G * nblk, -1).sum(axis=1), out
 
 
 def _moments(B, X, Q):
-    d = X.shape[2]
-    O, Mp, _, _ = _run_kernel(B, X, Q)
-    Mp = torch.from_numpy(np.ascontiguousarray(Mp))
-    iu = torch.triu_indices(d, d)
-    M = Mp.new_empty(*Mp.shape[:2], d, d)
-    M[:, :, iu[0], iu[1]] = Mp
-    M[:, :, iu[1], iu[0]] = Mp
-    return torch.from_numpy(np.ascontiguousarray(O)), M
+    P, n, d = X.shape
+    eye = torch.eye(d, dtype=X.dtype)
+    _, out = _run_kernel(B, X, Q, eye, Q.new_zeros(P, Q.shape[1], d), store=True)
+    out = torch.from_numpy(out)
+    return out[:, :, :d].contiguous(), out[:, :, d:].reshape(P, Q.shape[1], d, d).contiguous()
 
 
 def _as_batch(A, B, X, Y, queries):
@@ -400,28 +410,21 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
     return _loss_and_grad(A.detach().to(X3.dtype), B.detach().to(X3.dtype), X3, Y3, Q3)
 
 
-def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None):
-    """``(loss, gA, gB)``; with per-group ``A`` (G, k, d), ``B`` (G, d, d): one per group, shapes (G,), (G, k, d),
-    (G, d, d)."""
-    O, _, R, H = _run_kernel(B, X3, Q3, A, Y3)
-    f8 = torch.float64
+def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None, Gm=None):
+    """``(loss, gA, gB)`` (and with ``Gm`` also the control variate's ``(lim, gG)``); with per-group ``A`` (G, k, d),
+    ``B`` (G, d, d): one per group, shapes (G,), (G, k, d), (G, d, d)."""
     d, k = X3.shape[2], A.shape[-2]
     P, N = Q3.shape[0], Q3.shape[1]
     G = A.shape[0] if A.dim() == 3 else 1
-    scale = 1.0 / (N * (P // G))
-    O = torch.from_numpy(np.ascontiguousarray(O).reshape(G, -1, d)).to(f8)
-    R = torch.from_numpy(R.reshape(G, -1, k)).to(f8)
-    H = torch.from_numpy(H.reshape(G, -1, d)).to(f8)
-    Qf = Q3.reshape(G, -1, d).to(f8)
-    if A.dim() == 2:  # one parameter set (kept as 2-d products: the committed numbers' round-off)
-        O, R, H, Qf = O[0], R[0], H[0], Qf[0]
-        loss = (0.5 * scale) * (R * R).sum()
-    else:
-        loss = (0.5 * scale) * (R * R).sum(dim=(1, 2))
-    gA = (R.mT @ O) * scale
-    gB = (Qf.mT @ H) * scale
+    S, _ = _run_kernel(B, X3, Q3, A, Y3, Gm)
+    S = torch.from_numpy(S) / (N * (P // G))
+    kd = k * d
+    loss, gA, gB = 0.5 * S[:, 0], S[:, 1 : 1 + kd].reshape(G, k, d), S[:, 1 + kd : 1 + kd + d * d].reshape(G, d, d)
+    res = [loss, gA, gB]
+    if Gm is not None:
+        res += [0.5 * S[:, 1 + kd + d * d], S[:, 2 + kd + d * d :].reshape(G, k, d)]
     dt = X3.dtype if out_dtype is None else out_dtype
-    return loss.to(dt), gA.to(dt), gB.to(dt)
+    return tuple((t[0] if A.dim() == 2 else t).to(dt) for t in res)
 
 
 class _KernelLoss(torch.autograd.Function):
@@ -429,8 +432,7 @@ class _KernelLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, A, B, X3, Y3, Q3):
-        dt = X3.dtype
-        loss, gA, gB = _loss_and_grad(A.detach().to(dt), B.detach().to(dt), X3, Y3, Q3, out_dtype=A.dtype)
+        loss, gA, gB = _loss_and_grad(A.detach(), B.detach(), X3, Y3, Q3, out_dtype=A.dtype)
         ctx.save_for_backward(gA, gB.to(B.dtype))
         return loss
 
@@ -467,3 +469,35 @@ def _kernel_loss_unchecked(A, B, X3, Y3, Q3=None) -> torch.Tensor:
     groups of P / G): the G losses, shape (G,), each differentiable in its own ``A[g]``, ``B[g]``.
     """
     return _KernelLoss.apply(A, B, X3, Y3, X3 if Q3 is None else Q3)
+
+
+class _KernelLossCV(torch.autograd.Function):
+    """The attention loss and the control variate's limit loss from one pass, with their gradients in
+    ``(A, B)`` and in the limit map ``Gm`` saved from it."""
+
+    @staticmethod
+    def forward(ctx, A, B, Gm, X3, Yf, Qf):
+        loss, gA, gB, lim, gG = _loss_and_grad(A.detach(), B.detach(), X3, Yf, Qf, out_dtype=A.dtype, Gm=Gm.detach())
+        ctx.save_for_backward(gA, gB.to(B.dtype), gG.to(Gm.dtype))
+        return loss, lim.to(Gm.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_loss, g_lim):
+        gA, gB, gG = ctx.saved_tensors
+        if gA.dim() == 3:  # per group: one loss per group
+            g_loss, g_lim = g_loss[:, None, None], g_lim[:, None, None]
+        return g_loss * gA, g_loss * gB, g_lim * gG, None, None, None
+
+
+def _kernel_losses_cv(A, B, Gm, X3, Xf, Yf) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The regime-(ii) pair ``(mean_b Lhat_n(X_b), mean_b Lhat_lim(X_b))`` from one moment pass, no checks.
+
+    ``X3`` (P, n, d): the prompts in the attention dtype (the keys); ``Xf``, ``Yf``: the same prompts and their
+    targets in full precision (the queries, the residuals and the sums are float64);
+    ``Lhat_lim(X_b) = 1/(2n) sum_i ||Gm x_i - y_i||^2`` with ``Gm = A Sigma B^T`` for the control variate
+    (:func:`attnlib.model.prompts.limit_losses`). Both are differentiable (once): the first in ``A``, ``B``,
+    the second in ``Gm``. Per-group ``A``, ``B``, ``Gm`` (G, ...) give two tensors of shape (G,).
+    """
+    return _KernelLossCV.apply(A, B, Gm, X3, Yf, Xf)
+

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .._validate import check_positive_int
 from ..geometry import Renormalization, _stacked_distance, manifold_point
 from ..model.finite_n import softmax_scale
-from ..model.kernels import _kernel_loss_unchecked, resolve_engine
+from ..model.kernels import _kernel_loss_unchecked, _kernel_losses_cv, resolve_engine
 from ..model.prompts import sample_prompts
 from ..model.task import Task, check_task
 from ..rng import make_generator
@@ -80,18 +80,22 @@ class _Stacked:
     def __call__(self, A, B):
         """``(loss, objective)``, each of shape (C,), on fresh prompts of every chain."""
         X, Y = self.draw()
-        att = self.attention(A, B, X, Y)
         if self.cfg.control_variate:
             S = self.task.Sigma
             G = A @ S @ B.mT
             C, P, n, d = X.shape
-            out = (X.reshape(C, P * n, d) @ G.mT).reshape(C, P, n, -1)
-            lim = (0.5 * ((out - Y) ** 2).sum(dim=(2, 3)) / n).mean(dim=1)
+            if self.kernel:  # the attention and limit losses from one pass over the prompts
+                Xf, Yf = X.reshape(C * P, n, d), Y.reshape(C * P, n, -1)
+                att, lim = _kernel_losses_cv(A, B, G, Xf.to(self.adt), Xf, Yf)
+            else:
+                att = self.attention(A, B, X, Y)
+                out = (X.reshape(C, P * n, d) @ G.mT).reshape(C, P, n, -1)
+                lim = (0.5 * ((out - Y) ** 2).sum(dim=(2, 3)) / n).mean(dim=1)
             E = G - self.task.M
             pop = 0.5 * torch.sum((E @ S) * E, dim=(1, 2)) + self.task.bayes_risk
             loss = pop + (att - lim)
         else:
-            loss = att
+            loss = self.attention(A, B, X, Y)
         if not self.lam:
             return loss, loss
         S = self.task.Sigma

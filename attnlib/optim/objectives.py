@@ -24,7 +24,7 @@ import torch
 
 from .._validate import check_matrix, check_positive_int, check_samples, resolve_dtype
 from ..geometry import regularizer
-from ..model.kernels import ENGINES, _kernel_loss_unchecked, resolve_engine
+from ..model.kernels import ENGINES, _kernel_loss_unchecked, _kernel_losses_cv, resolve_engine
 from ..model.layer import _empirical_loss
 from ..model.prompts import _check_prompts, _limit_losses, _prompt_losses, sample_prompts
 from ..model.task import Task, check_task, empirical_task
@@ -160,5 +160,10 @@ class PromptObjective:
     def _estimate(self, A, B, X, Y) -> torch.Tensor:
         if not self.control_variate:
             return self._attention_loss(A, B, X, Y)
-        corr = self._attention_loss(A, B, X, Y) - _limit_losses(A, B, self.task.Sigma, X, Y).mean()
+        Xa = X.to(self.attention_dtype)
+        if resolve_engine(self.engine, Xa) == "kernel":  # both losses from one pass over the prompts
+            att, lim = _kernel_losses_cv(A, B, A @ self.task.Sigma @ B.mT, Xa, X, Y)
+            corr = att - lim
+        else:
+            corr = self._attention_loss(A, B, X, Y) - _limit_losses(A, B, self.task.Sigma, X, Y).mean()
         return self.task.population_loss(A, B) + corr
