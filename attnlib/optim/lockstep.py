@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .._validate import check_positive_int
 from ..geometry import Renormalization, _stacked_distance, manifold_point
 from ..model.finite_n import softmax_scale
-from ..model.kernels import _kernel_loss_unchecked, _kernel_losses_cv, resolve_engine
+from ..model.kernels import _kernel_loss_unchecked, _loss_and_grad, resolve_engine
 from ..model.prompts import sample_prompts
 from ..model.task import Task, check_task
 from ..rng import make_generator
@@ -78,24 +78,50 @@ class _Stacked:
         return losses.mean(dim=1).to(A.dtype)
 
     def __call__(self, A, B):
-        """``(loss, objective)``, each of shape (C,), on fresh prompts of every chain."""
+        """``(loss, objective, (dA, dB))``, the first two of shape (C,), on fresh prompts of every chain.
+
+        With the moment kernel and the control variate, the gradient is assembled from the pass's own sums
+        (no autograd graph): ``d att`` from the kernel, ``d (L - lim)`` through ``G = A Sigma B^T`` as
+        ``W B Sigma`` and ``W^T A Sigma`` with ``W = E Sigma - d lim / dG``, and the regularizer's ``lam A S D S``,
+        ``-lam S B S D S`` (``D = A^T A - B^T S B``); otherwise autograd of the same estimate.
+        """
         X, Y = self.draw()
+        S = self.task.Sigma
+        if not (self.kernel and self.cfg.control_variate):
+            loss, obj = self._estimate(A, B, X, Y)
+            return loss.detach(), obj.detach(), torch.autograd.grad(obj.sum(), (A, B))
+        with torch.no_grad():
+            C, P, n, d = X.shape
+            Xf, Yf = X.reshape(C * P, n, d), Y.reshape(C * P, n, -1)
+            att, gA, gB, lim, gG = _loss_and_grad(A, B, Xf.to(self.adt), Yf, Xf, out_dtype=A.dtype, Gm=A @ S @ B.mT)
+            E = A @ S @ B.mT - self.task.M
+            ES = E @ S
+            loss = 0.5 * torch.sum(ES * E, dim=(1, 2)) + self.task.bayes_risk + (att - lim)
+            dG = ES - gG
+            gA = gA + dG @ B @ S
+            gB = gB + dG.mT @ A @ S
+            if not self.lam:
+                return loss, loss, (gA, gB)
+            D = A.mT @ A - B.mT @ S @ B
+            DS = D @ S
+            SDS = S @ DS
+            reg = 0.25 * self.lam * torch.sum(DS * DS.mT, dim=(1, 2))
+            return loss, loss + reg, (gA + self.lam * (A @ SDS), gB - self.lam * (S @ B @ SDS))
+
+    def _estimate(self, A, B, X, Y):
+        """``(loss, objective)`` as tensors of shape (C,) that autograd differentiates."""
+        att = self.attention(A, B, X, Y)
         if self.cfg.control_variate:
             S = self.task.Sigma
             G = A @ S @ B.mT
             C, P, n, d = X.shape
-            if self.kernel:  # the attention and limit losses from one pass over the prompts
-                Xf, Yf = X.reshape(C * P, n, d), Y.reshape(C * P, n, -1)
-                att, lim = _kernel_losses_cv(A, B, G, Xf.to(self.adt), Xf, Yf)
-            else:
-                att = self.attention(A, B, X, Y)
-                out = (X.reshape(C, P * n, d) @ G.mT).reshape(C, P, n, -1)
-                lim = (0.5 * ((out - Y) ** 2).sum(dim=(2, 3)) / n).mean(dim=1)
+            out = (X.reshape(C, P * n, d) @ G.mT).reshape(C, P, n, -1)
+            lim = (0.5 * ((out - Y) ** 2).sum(dim=(2, 3)) / n).mean(dim=1)
             E = G - self.task.M
             pop = 0.5 * torch.sum((E @ S) * E, dim=(1, 2)) + self.task.bayes_risk
             loss = pop + (att - lim)
         else:
-            loss = self.attention(A, B, X, Y)
+            loss = att
         if not self.lam:
             return loss, loss
         S = self.task.Sigma
@@ -199,13 +225,12 @@ def _lockstep(task: Task, n: int, cfg: ChainConfig, seeds) -> List[ChainResult]:
     S_inv, elapsed = torch.linalg.inv(task.Sigma), 0.0
     for t in range(cfg.steps + 1):
         t0 = time.perf_counter()
-        loss, obj = estimate(A, B)
-        grads = torch.autograd.grad(obj.sum(), (A, B))
+        loss, obj, grads = estimate(A, B)
         elapsed += time.perf_counter() - t0
-        _finite(obj.detach(), A.detach(), B.detach())
+        _finite(obj, A.detach(), B.detach())
         if (t % cfg.record_every == 0) or t == cfg.steps:
-            rec.record(t, A.detach(), B.detach(), loss.detach(), obj.detach(), grads, elapsed)
-        rec.average(t, A, B, loss.detach())
+            rec.record(t, A.detach(), B.detach(), loss, obj, grads, elapsed)
+        rec.average(t, A, B, loss)
         if t == cfg.steps:
             break
         t0 = time.perf_counter()
