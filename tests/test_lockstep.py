@@ -112,3 +112,22 @@ def test_lockstep_on_cuda_equals_the_cpu_chains():
     for a, b in zip(cpu, gpu):
         assert np.abs(a.R - b.R).max() <= 1e-10 * np.abs(a.R).max()
         assert b.history.A.device.type == "cuda"
+
+
+def test_lockstep_draws_are_the_sequential_prompts_bit_for_bit():
+    """The buffers the lockstep draws into hold exactly what ``sample_prompts`` returns for each chain's generator."""
+    from attnlib.model.prompts import sample_prompts
+    from attnlib.optim import lockstep
+
+    task = al.Task.random(4, 2, cond=5.0, signal=1.0, noise_std=0.3, seed=1)
+    cfg = lockstep._config(None, dict(steps=3, burn_in=1, prompts=3, seed=5))
+    est = lockstep._Stacked(task, 7, cfg, [5, 6])
+    for _ in range(2):
+        X, Y = est.draw()
+        for c, s in enumerate([5, 6]):
+            g = al.make_generator(s)
+            for _ in range(est.calls):
+                Xs, Ys = sample_prompts(task, 7, 3, generator=g)
+            assert torch.equal(X[c], Xs) and torch.equal(Y[c], Ys)
+    with pytest.raises(ValueError, match="^out"):
+        task.sample(4, seed=0, out=(torch.empty(4, 3, dtype=torch.float64), torch.empty(4, 2, dtype=torch.float64)))

@@ -177,14 +177,20 @@ class Task:
 
     # ------------------------------------------------------------------ data
     def sample(
-        self, n: int, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None
+        self,
+        n: int,
+        *,
+        seed: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Draw one sequence of ``n`` tokens: ``X`` of shape (n, d) and ``Y`` of shape (n, k).
 
         ``X = Z Sigma^{1/2}`` with standard Gaussian ``Z``; ``Y = X M^T + sigma E``.
         Draws are made on the CPU in float64 from the given seed or generator,
         then moved to the task's dtype and device, so the same seed gives the
-        same sample on every device.
+        same sample on every device. ``out``: two contiguous float64 CPU tensors of shapes (n, d) and
+        (n, k) to write the sample into (the same values, no new tensors; for a float64 CPU task only).
         """
         n = check_positive_int(n, "n")
         g = make_generator(seed, generator)
@@ -192,6 +198,18 @@ class Task:
         Z = torch.randn(n, self.d, generator=g, dtype=f64)
         E = torch.randn(n, self.k, generator=g, dtype=f64)
         S_half = self.Sigma_sqrt.to(device="cpu", dtype=f64)
+        if out is not None:
+            X, Y = out
+            ok = self.dtype == f64 and self.device.type == "cpu"
+            for t, shape in ((X, (n, self.d)), (Y, (n, self.k))):
+                ok = ok and tuple(t.shape) == shape and t.dtype == f64 and t.device.type == "cpu" and t.is_contiguous()
+            if not ok:
+                raise ValueError(f"out: expected contiguous float64 CPU tensors of shapes {(n, self.d)}, {(n, self.k)} "
+                                 "and a float64 CPU task")  # fmt: skip
+            torch.matmul(Z, S_half, out=X)
+            torch.matmul(X, self.M.T, out=Y)
+            Y += E.mul_(self.noise_std)  # the same two roundings as below
+            return X, Y
         X = Z @ S_half
         Y = X @ self.M.to(device="cpu", dtype=f64).T + self.noise_std * E
         return X.to(self.device, self.dtype), Y.to(self.device, self.dtype)

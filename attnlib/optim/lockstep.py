@@ -58,11 +58,22 @@ class _Stacked:
         probe = torch.empty(0, task.d, dtype=self.adt, device=task.device)
         self.kernel = resolve_engine(cfg.engine, probe) == "kernel"  # decided once, not at every step
         self.calls = 0
+        self._buf = None
 
     def draw(self):
+        """Every chain's prompts, ``X`` (C, P, n, d) and ``Y`` (C, P, n, k), from its own generator (those of
+        :func:`~attnlib.model.prompts.sample_prompts`); a float64 CPU task draws into buffers kept between steps."""
         self.calls += 1
-        pairs = [sample_prompts(self.task, self.n, self.P, generator=g) for g in self.gens]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+        task, n, P, C = self.task, self.n, self.P, len(self.gens)
+        if task.dtype != torch.float64 or task.device.type != "cpu":
+            pairs = [sample_prompts(task, n, P, generator=g) for g in self.gens]
+            return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+        if self._buf is None:
+            self._buf = (torch.empty(C, P * n, task.d, dtype=torch.float64), torch.empty(C, P * n, task.k, dtype=torch.float64))
+        X, Y = self._buf
+        for c, g in enumerate(self.gens):
+            task.sample(P * n, generator=g, out=(X[c], Y[c]))
+        return X.view(C, P, n, task.d), Y.view(C, P, n, task.k)
 
     def attention(self, A, B, X, Y) -> torch.Tensor:
         """``mean_b Lhat_n(X_b)`` per chain, shape (C,): ``X`` (C, P, n, d), ``Y`` (C, P, n, k)."""
