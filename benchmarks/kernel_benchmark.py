@@ -49,46 +49,53 @@ import time
 D, K, PROMPTS = 4, 2, 16
 
 
-def _cpu_time(fn, reps):
-    fn()  # warm-up (and compilation)
-    times = []
+_RATE_DATA = {}
+
+
+def _rate_sample():
+    """One measurement of the machine's rates, per CPU second: GEMM (two 512 x 512 products) and ``torch.exp``
+    (16 calls on 64K-element arrays, resident in cache), float64 and float32. Taken right after every timed
+    call, so that a call and the bound it is compared with see the same machine (its speed drifts by tens
+    of percent on a shared host)."""
+    import torch
+
+    if not _RATE_DATA:
+        for dt in (torch.float64, torch.float32):
+            _RATE_DATA[dt] = (torch.randn(512, 512, dtype=dt), -torch.rand(1 << 16, dtype=dt) * 10)
+    out = {}
+    for dt, (a, x) in _RATE_DATA.items():
+        y = torch.empty_like(x)
+        t0 = time.process_time()
+        a @ a
+        a @ a
+        t1 = time.process_time()
+        for _ in range(16):
+            torch.exp(x, out=y)
+        t2 = time.process_time()
+        out[f"gemm_{dt}"] = 2 * 2 * 512**3 / max(t1 - t0, 1e-9)
+        out[f"exp_{dt}"] = 16 * x.numel() / max(t2 - t1, 1e-9)
+    return out
+
+
+def _timed(fn, reps, pairs=None, dtype=None):
+    """``fn`` timed ``reps`` times after a warm-up, each call followed by a rate sample: the median CPU time and,
+    with ``pairs``, the median over the calls of (the bound from that call's rate sample) / (its time)."""
+    fn()
+    _rate_sample()
+    ts, fr = [], []
     for _ in range(reps):
         t0 = time.process_time()
         fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
+        t = time.process_time() - t0
+        rates = _rate_sample()
+        _RATES_SEEN.append(rates)
+        ts.append(t)
+        if pairs is not None:
+            fr.append(_bound(pairs, dtype, rates) / t)
+    return statistics.median(ts), (statistics.median(fr) if fr else None)
 
 
-def _paired(step, part, reps):
-    """Medians of ``step`` and ``part`` timed alternately, and the median of their paired differences
-    (both see the same load on a shared machine)."""
-    step()
-    part()
-    ts, tp = [], []
-    for _ in range(reps):
-        t0 = time.process_time()
-        step()
-        t1 = time.process_time()
-        part()
-        t2 = time.process_time()
-        ts.append(t1 - t0)
-        tp.append(t2 - t1)
-    return statistics.median(ts), statistics.median(tp), statistics.median(a - b for a, b in zip(ts, tp))
-
-
-def _rates(reps):
-    import torch
-
-    out = {}
-    for dt in (torch.float64, torch.float32):
-        a = torch.randn(512, 512, dtype=dt)
-        t = _cpu_time(lambda: a @ a, reps)
-        out[f"gemm_{dt}"] = 2 * 512**3 / t
-        x = -torch.rand(1 << 16, dtype=dt) * 10
-        y = torch.empty_like(x)
-        t = _cpu_time(lambda: [torch.exp(x, out=y) for _ in range(50)], reps)
-        out[f"exp_{dt}"] = 50 * x.numel() / t
-    return out
+_RATES_SEEN = []
 
 
 def _flops_per_pair(d):
@@ -121,11 +128,14 @@ def _single(n, reps):
             loss = al.empirical_loss(Ad, Bd, Xd, Yd, engine=engine)
             return torch.autograd.grad(loss, (Ad, Bd))
 
-        rows.append(dict(case="single", n=n, impl=label, dtype=str(dt), time=_cpu_time(call, reps), pairs=n * n))
+        t, frac = _timed(call, reps, n * n, dt)
+        rows.append(dict(case="single", n=n, impl=label, time=t, fraction=frac, pairs=n * n))
     return rows
 
 
 def _prompt_step(n, reps):
+    """One step of one chain (``PromptObjective``, autograd, ``GradientStep``, renormalization) by engine; its
+    attention part (the engine's loss and gradient on one draw) timed right after it, with a rate sample."""
     import torch
 
     import attnlib as al
@@ -163,69 +173,46 @@ def _prompt_step(n, reps):
             value = loss.attention_loss(A, B, X, Y)
             return torch.autograd.grad(value, (A, B))
 
-        t_step, t_att, over = _paired(full_step, attention_part, reps)
-        rows.append(
-            dict(
-                case="prompts",
-                n=n,
-                impl=label,
-                dtype=str(adt),
-                time=t_step,
-                attention=t_att,
-                overhead=over,
-                draws=_draw_time(task, n, reps),
-                pairs=PROMPTS * n * n,
-            )
-        )
+        t_step, _ = _timed(full_step, reps)
+        t_att, frac = _timed(attention_part, reps, PROMPTS * n * n, adt)
+        rows.append(dict(case="prompts", n=n, impl=label, time=t_step, attention=t_att, fraction=frac,
+                         pairs=PROMPTS * n * n))  # fmt: skip
     return rows
 
 
-def _draw_time(task, n, reps):
-    """CPU time of one chain's prompt draws per step (``PROMPTS`` prompts of n tokens, float64, its generator)."""
-    import attnlib as al
-    from attnlib.model.prompts import sample_prompts
-
-    g = al.make_generator(0)
-    return _cpu_time(lambda: sample_prompts(task, n, PROMPTS, generator=g), reps)
-
-
 def _chains(n, reps, chains, steps):
-    """Whole chains, per chain and step: ``run_chain`` (``chains == 1``) or ``run_chains`` in lockstep."""
+    """Whole chains in lockstep (``run_chains``, the moment kernel, float64 and float32 attention), per chain and
+    step: a chain of ``steps`` steps minus a chain of 1 step (so the once-per-chain start and results are left
+    out). Split into the kernel pass alone (the compiled function on prepared arguments: every chain's prompts
+    in one call), the prompt draws (``torch.randn`` and the two products of ``Task.sample``, every chain), and
+    the rest, which is Python and launch overhead (the d x d algebra, the update, casts and copies)."""
     import torch
 
     import attnlib as al
     from attnlib import experiments as ex
-    from attnlib.model.kernels import _kernel_loss_unchecked
+    from attnlib.model import kernels as Km
+    from attnlib.optim import lockstep
 
     task = ex.make_task(0.0)
     seeds = [al.derive_seed(c, "kernel-benchmark") for c in range(chains)]
     rows = []
     for adt in (torch.float64, torch.float32):
-        cfg = dict(steps=steps, burn_in=steps // 2, prompts=PROMPTS, lr=0.5, renormalize="balance",
-                   attention_dtype=adt, record_every=10, engine="kernel")  # fmt: skip
-        if chains == 1:
-            label = f"moment kernel {str(adt)[6:]}, run_chain (one chain)"
-            run = lambda s: al.run_chain(task, n, seed=seeds[0], **{**cfg, "steps": s, "burn_in": s // 2})  # noqa: E731
-        else:
-            label = f"moment kernel {str(adt)[6:]}, run_chains ({chains} chains in lockstep)"
-            run = lambda s: al.run_chains(task, n, seeds, **{**cfg, "steps": s, "burn_in": s // 2})  # noqa: E731
-        X, Y = task.sample(chains * PROMPTS * n, seed=1)
-        X, Y = X.reshape(-1, n, D).to(adt), Y.reshape(-1, n, K).to(adt)
+        cfg = dict(prompts=PROMPTS, lr=0.5, renormalize="balance", attention_dtype=adt, record_every=10, engine="kernel")
+        label = f"run_chains, {chains} chains in lockstep, moment kernel {str(adt)[6:]}"
+        run = lambda s: al.run_chains(task, n, seeds, steps=s, burn_in=s // 2, **cfg)  # noqa: E731
+        est = lockstep._Stacked(task, n, lockstep._config(None, dict(cfg, steps=2, burn_in=1, seed=seeds[0])), seeds)
+        X, Y = est.draw()
+        Xf, Yf = X.reshape(-1, n, D).clone(), Y.reshape(-1, n, K).clone()
         A0, B0 = al.manifold_point(task, task.svd[2])
-        A = A0.expand(chains, -1, -1).clone().requires_grad_()
-        B = B0.expand(chains, -1, -1).clone().requires_grad_()
-
-        def attention_part(evaluations):
-            for _ in range(evaluations):
-                torch.autograd.grad(_kernel_loss_unchecked(A, B, X, Y).sum(), (A, B))
-
-        # a chain of S steps minus a chain of 1 step: S - 1 steps, without the start and the results
-        long = _paired(lambda: run(steps), lambda: attention_part(steps + 1), reps)
-        short = _paired(lambda: run(1), lambda: attention_part(2), reps)
-        per = (steps - 1) * chains
-        t_step, t_att, over = ((a - b) / per for a, b in zip(long, short))
-        rows.append(dict(case="prompts", n=n, impl=label, dtype=str(adt), time=t_step, attention=t_att,
-                         overhead=over, draws=_draw_time(task, n, reps), pairs=PROMPTS * n * n))  # fmt: skip
+        A, B = A0.expand(chains, -1, -1).contiguous(), B0.expand(chains, -1, -1).contiguous()
+        fn, kargs = Km._prepare(B, Xf.to(adt), Xf, A, Yf, A @ task.Sigma @ B.mT)
+        t_long, _ = _timed(lambda: run(steps), reps)
+        t_short, _ = _timed(lambda: run(1), reps)
+        t_kernel, frac = _timed(lambda: fn(*kargs), reps, chains * PROMPTS * n * n, adt)
+        t_draw, _ = _timed(est.draw, reps)
+        per = (t_long - t_short) / ((steps - 1) * chains)
+        rows.append(dict(case="chains", n=n, impl=label, time=per, kernel=t_kernel / chains, draws=t_draw / chains,
+                         fraction=frac, pairs=PROMPTS * n * n))  # fmt: skip
     return rows
 
 
@@ -243,63 +230,69 @@ def _first_call(cache):
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _table(rows, rates, compile_s, load_s, reps):
+def _span(key, scale):
+    vals = sorted(r[key] / scale for r in _RATES_SEEN)
+    return f"{statistics.median(vals):.2f} (range {vals[0]:.2f}-{vals[-1]:.2f})"
+
+
+def _table(rows, compile_s, load_s, reps):
     import torch
 
     import attnlib as al
 
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `benchmarks/kernel_benchmark.py` on "
-        f"{platform.machine()} ({al.granted_cpus()} CPUs granted), torch {torch.__version__}, one torch thread; "
-        f"**the machine was shared** with other jobs (run under `nice`): times are CPU seconds of this process "
-        f"(`time.process_time`), median of {reps} calls after a warm-up. d = {D}, k = {K}.",
+        f"{platform.machine()} ({al.granted_cpus()} CPUs granted), torch {torch.__version__}, one torch thread: "
+        f"times are CPU seconds of this process (`time.process_time`), median of {reps} calls after a warm-up. "
+        f"d = {D}, k = {K}.",
         "",
-        f"Machine rates measured in the same run: GEMM {rates['gemm_torch.float64'] / 1e9:.1f} GFLOP/s (float64), "
-        f"{rates['gemm_torch.float32'] / 1e9:.1f} GFLOP/s (float32); exp {rates['exp_torch.float64'] / 1e9:.2f} G/s "
-        f"(float64), {rates['exp_torch.float32'] / 1e9:.2f} G/s (float32). Bound per pair: "
-        f"{_flops_per_pair(D)} flops + 1 exp. Kernel compile (first call, empty cache, fresh process): "
+        f"Machine rates, sampled right after every timed call (median and range over the run): GEMM "
+        f"{_span('gemm_torch.float64', 1e9)} GFLOP/s in float64, {_span('gemm_torch.float32', 1e9)} in float32; "
+        f"`torch.exp` {_span('exp_torch.float64', 1e9)} G/s in float64, {_span('exp_torch.float32', 1e9)} in float32. "
+        f"Bound per pair of tokens: {_flops_per_pair(D)} flops at the GEMM rate + 1 exponential at the exp rate; "
+        "each `fraction of bound` is the median over the calls of (the bound from the rates sampled after that "
+        "call) / (that call's time). Kernel compile (first call, empty cache, fresh process): "
         f"{compile_s:.1f} s; first call with the cache warm: {load_s:.2f} s (includes importing numba).",
         "",
+        f"**Regime-(ii) step, one chain: {PROMPTS} prompts of n tokens, control variate, gradient, structured update**",
+        "",
+        "| n | engine | step (ms) | step speed-up vs reference | attention part (ms) | attention fraction of bound |",
+        "|---:|:---|---:|---:|---:|---:|",
     ]
-    for case, title in (
-        ("prompts", f"Regime-(ii) step: {PROMPTS} prompts of n tokens, control variate, gradient, structured update"),
-        ("single", "Single-sequence loss + gradient"),
-    ):
-        lines += [f"**{title}**", ""]
-        if case == "prompts":
-            lines += [
-                "| n | engine | step (ms) | attention part (ms) | overhead (ms) | overhead share | "
-                "prompt draws (ms) | overhead less draws, share | "
-                "step speed-up vs reference | attention bound (ms) | attention fraction of bound |",
-                "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-            ]
-        else:
-            lines += [
-                "| n | engine | time (ms) | speed-up vs reference | bound (ms) | fraction of bound |",
-                "|---:|:---|---:|---:|---:|---:|",
-            ]
-        sel = [r for r in rows if r["case"] == case]
-        for n in sorted({r["n"] for r in sel}):
-            group = [r for r in sel if r["n"] == n]
-            ref = group[0]["time"]
-            for r in group:
-                dt = "torch.float32" if "float32" in r["impl"] else "torch.float64"
-                bound = _bound(r["pairs"], dt, rates)
-                if case == "prompts":
-                    over = r["overhead"]
-                    lines.append(
-                        f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {1e3 * r['attention']:.1f} | {1e3 * over:.1f} "
-                        f"| {over / r['time']:.0%} | {1e3 * r['draws']:.2f} | {(over - r['draws']) / r['time']:.0%} "
-                        f"| {ref / r['time']:.2f}x | {1e3 * bound:.1f} "
-                        f"| {bound / r['attention']:.2f} |"
-                    )
-                else:
-                    lines.append(
-                        f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {ref / r['time']:.2f}x | {1e3 * bound:.1f} "
-                        f"| {bound / r['time']:.2f} |"
-                    )
-        lines.append("")
-    return "\n".join(lines)
+    for n in sorted({r["n"] for r in rows if r["case"] == "prompts"}):
+        group = [r for r in rows if r["case"] == "prompts" and r["n"] == n]
+        ref = group[0]["time"]
+        for r in group:
+            lines.append(f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {ref / r['time']:.2f}x | "
+                         f"{1e3 * r['attention']:.1f} | {r['fraction']:.2f} |")  # fmt: skip
+    lines += [
+        "",
+        "**Chains in lockstep, per chain and step: the kernel pass, the prompt draws, and Python and launch overhead**",
+        "",
+        "| n | engine | step (ms) | kernel pass (ms) | prompt draws (ms) | overhead (ms) | overhead share "
+        "| kernel fraction of bound | step speed-up vs the one-chain reference |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in (r for r in rows if r["case"] == "chains"):
+        over = r["time"] - r["kernel"] - r["draws"]
+        ref = next((q["time"] for q in rows if q["case"] == "prompts" and q["n"] == r["n"]), None)
+        speed = f"{ref / r['time']:.2f}x" if ref else "-"
+        lines.append(f"| {r['n']} | {r['impl']} | {1e3 * r['time']:.2f} | {1e3 * r['kernel']:.2f} | "
+                     f"{1e3 * r['draws']:.2f} | {1e3 * over:.3f} | {over / r['time']:.1%} | {r['fraction']:.2f} | "
+                     f"{speed} |")  # fmt: skip
+    lines += [
+        "",
+        "**Single-sequence loss + gradient**",
+        "",
+        "| n | engine | time (ms) | speed-up vs reference | fraction of bound |",
+        "|---:|:---|---:|---:|---:|",
+    ]
+    for n in sorted({r["n"] for r in rows if r["case"] == "single"}):
+        group = [r for r in rows if r["case"] == "single" and r["n"] == n]
+        ref = group[0]["time"]
+        for r in group:
+            lines.append(f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {ref / r['time']:.2f}x | {r['fraction']:.2f} |")
+    return "\n".join(lines + [""])
 
 
 def main(argv=None) -> int:
@@ -307,8 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-n", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--chains", type=int, default=6, help="chains in lockstep (the chain sweeps' chains per n)")
-    p.add_argument("--chain-steps", type=int, default=20)
+    p.add_argument("--chains", type=int, default=6, help="chains in lockstep (the prompts sweep's chains per n)")
+    p.add_argument("--chain-steps", type=int, default=21)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
@@ -321,20 +314,17 @@ def main(argv=None) -> int:
     import attnlib as al
 
     al.configure_threads(1)
-    rates = _rates(args.reps)
-    print(json.dumps({k: v / 1e9 for k, v in rates.items()}), file=sys.stderr, flush=True)
     rows = []
     for n in args.prompt_n:
         rows += _prompt_step(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)
-        if n in args.lockstep_n:
-            for c in (1, args.chains):
-                rows += _chains(n, args.reps, c, args.chain_steps)
-                print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
+    for n in args.lockstep_n:
+        rows += _chains(n, args.reps, args.chains, args.chain_steps)
+        print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
     for n in args.single_n:
         rows += _single(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)
-    table = _table(rows, rates, compile_s, load_s, args.reps)
+    table = _table(rows, compile_s, load_s, args.reps)
     print(table)
     if args.out:
         with open(args.out, "w") as fh:

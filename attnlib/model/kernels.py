@@ -321,16 +321,9 @@ def moments(B, X, queries=None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _moments(B.detach(), X.detach(), Q.detach())
 
 
-def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
-    """One moment pass. ``X`` (P, n, d) keys in the attention dtype; ``Q`` (P, m, d) query tokens and ``Yq``
-    (P, m, k) their targets; ``A`` (k, d), ``B`` (d, d) for every prompt, or per group ``A`` (G, k, d),
-    ``B`` (G, d, d) (the P prompts split into G consecutive groups of P / G: the chains of
-    :func:`attnlib.optim.run_chains`); ``Gm`` the control variate's linear map, shaped like ``A``, or None.
-
-    Returns ``(S, out)``: ``S`` (G, :func:`_stats_size`) float64, each group's sums over its queries
-    (``sum ||r||^2``, ``sum r o^T``, ``sum q h^T``, then with ``Gm`` ``sum ||rho||^2``, ``sum rho q^T``,
-    ``rho = Gm q - y``), and with ``store`` ``out`` (P, m, d + d k): ``o_i`` and ``N_i`` per query.
-    """
+def _prepare(B, X, Q, A, Yq, Gm=None, store=False):
+    """The compiled function and its arguments for one moment pass (see :func:`_run_kernel`); the
+    benchmark times the call alone."""
     P, n, d = X.shape
     m, k = Q.shape[1], A.shape[-2]
     G = B.shape[0] if B.dim() == 3 else 1
@@ -351,10 +344,25 @@ def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
         import numba
 
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        mod.moments_parallel(*args)
-    else:
-        mod.moments_serial(*args)
-    return S.reshape(G, P // G * nblk, -1).sum(axis=1), out
+        return mod.moments_parallel, args
+    return mod.moments_serial, args
+
+
+def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
+    """One moment pass. ``X`` (P, n, d) keys in the attention dtype; ``Q`` (P, m, d) query tokens and ``Yq``
+    (P, m, k) their targets; ``A`` (k, d), ``B`` (d, d) for every prompt, or per group ``A`` (G, k, d),
+    ``B`` (G, d, d) (the P prompts split into G consecutive groups of P / G: the chains of
+    :func:`attnlib.optim.run_chains`); ``Gm`` the control variate's linear map, shaped like ``A``, or None.
+
+    Returns ``(S, out)``: ``S`` (G, :func:`_stats_size`) float64, each group's sums over its queries
+    (``sum ||r||^2``, ``sum r o^T``, ``sum q h^T``, then with ``Gm`` ``sum ||rho||^2``, ``sum rho q^T``,
+    ``rho = Gm q - y``), and with ``store`` ``out`` (P, m, d + d k): ``o_i`` and ``N_i`` per query.
+    """
+    fn, args = _prepare(B, X, Q, A, Yq, Gm, store)
+    fn(*args)
+    G = B.shape[0] if B.dim() == 3 else 1
+    S, out = args[7], args[8]
+    return S.reshape(G, S.shape[0] // G, -1).sum(axis=1), out
 
 
 def _moments(B, X, Q):
