@@ -3,7 +3,10 @@
 :func:`exp_nonpos` (inside compiled code; :func:`exp_array` for a whole array) is our own
 exponential: Cody-Waite range reduction ``x = k ln 2 + r``, a polynomial for ``exp(r)`` (Taylor to
 degree 12 in float64, Cephes' ``expf`` polynomial in float32) and ``2^k`` built from its bits,
-branch-free so that LLVM vectorizes the loop (numba has no vector ``exp`` without Intel's SVML,
+branch-free so that LLVM vectorizes the loop. ``k`` is rounded by adding ``1.5 2^52 + 1023``
+(float32: ``1.5 2^23 + 127``): the sum's last mantissa bits are then ``k + 1023``, so one subtraction
+gives ``k`` and one shift gives the bits of ``2^k`` (no floor, no float-to-integer conversion; two
+vector instructions fewer per exponential than rounding with ``floor``) (numba has no vector ``exp`` without Intel's SVML,
 which the registry's llvmlite does not use). Arguments are clamped at -700 (float32: -87): a
 smaller argument gives a weight below ``e^-700`` (``e^-87``) of the largest one, zero to the
 precision of the sums. Measured relative error (``tests/test_kernels.py``): below 1e-15 for

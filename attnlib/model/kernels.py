@@ -11,23 +11,33 @@ Then the empirical loss ``L = 1/(2N) sum_i ||r_i||^2`` (N queries) has the exact
 .. math:: \partial L / \partial A = \sum_i r_i o_i^\top / N, \qquad
           \partial L / \partial B = \sum_i q_i \big((M_i - o_i o_i^\top) g_i\big)^\top ,
 
-because ``d o_i / d s_ij = p_ij (x_j - o_i)`` and ``d s_ij / d B = q_i x_j^T``. So one pass over the
-pairs that accumulates the zeroth, first and second moments of the weights (one exponential per
-pair, no backward pass, no key or value gradients) gives the loss and the gradient; the rest is
-(N x d) arithmetic. The pass is a numba kernel generated for each ``d <= 8`` (the ``1 + d + d (d + 1) / 2``
-accumulators live in registers; 512-bit vectors where the CPU has AVX-512), parallel over prompts and
-blocks of queries with the thread count of :mod:`attnlib.runtime` (torch's intra-op count: one place
-for threads); per query it also forms ``r_i`` and ``h_i = (M_i - o_i o_i^T) A^T r_i``, so ``M_i``
-never leaves it (:func:`moments` returns ``o_i`` and ``M_i`` themselves, for inspection). Its softmax is
-stabilized by the shift ``c_i = ||B^T q_i|| max_j ||x_j|| >= max_j s_ij`` (Cauchy-Schwarz), so no
-exponent is positive; where this shift is so far above the true maximum that every weight
-underflows (``sum_j exp(s_ij - c_i)`` below 1e-200 in float64, 1e-20 in float32; very large
-scores), the query is redone with the exact maximum. Per query everything is in the input dtype;
-the sums over queries (loss, gradient) are accumulated in float64. In float32, ``M_i - o_i o_i^T``
-(the weighted covariance of the keys) loses relative accuracy ``~ eps |M_i| / |M_i - o_i o_i^T|``
-when attention is nearly hard (a few keys carry all the weight); for the book's softmax scales
-(``nu <= 1``) the float32 loss and gradient agree with float64 to about 1e-7 relative (16 prompts,
-n = 1024; ``tests/test_kernels.py`` asks 2e-5).
+because ``d o_i / d s_ij = p_ij (x_j - o_i)`` and ``d s_ij / d B = q_i x_j^T``. The kernel never forms
+``M_i``: with ``u_j = A x_j`` (k numbers per key, computed once),
+``M_i A^T r_i = N_i r_i`` where ``N_i = sum_j p_ij x_j u_j^T`` (d x k), and ``o_i o_i^T A^T r_i =
+o_i ((r_i + y_i) . r_i)``. So one pass over the pairs accumulates ``Z``, ``o`` and ``N``
+(``1 + d + d k`` numbers: 13 at the book's d = 4, k = 2, against ``1 + d + d (d + 1) / 2 = 15`` for
+``M``; per pair ``d`` fused multiply-adds for the score, one exponential, then ``1 + d + k + d k``
+operations, 19 vector instructions per 8 (float64) or 16 (float32) pairs besides the exponential's,
+against 23 with ``M``), and gives the loss and the gradient with no backward pass and no key or value
+gradients; the rest is (N x d) arithmetic, done per query inside the kernel. The pass is a numba
+kernel generated for each ``(d, k)`` with ``d <= 8`` (the accumulators live in registers; 512-bit
+vectors where the CPU has AVX-512), parallel over prompts and blocks of queries with the thread count
+of :mod:`attnlib.runtime` (torch's intra-op count: one place for threads). Per pair everything is in
+the attention dtype (the dtype of the keys ``X``); per query, in float64, it forms ``r_i``,
+``h_i = N_i r_i - o_i (A o_i . r_i)`` and adds ``||r_i||^2``, ``r_i o_i^T`` and ``q_i h_i^T`` to its
+work item's sums (and, for the regime-(ii) control variate, ``rho_i = G q_i - y_i``'s ``||rho_i||^2``
+and ``rho_i q_i^T`` for a given k x d map ``G``: the limit loss of the same prompts in the same pass);
+the items' sums are added in float64. :func:`moments` returns ``o_i`` and ``M_i`` themselves, for
+inspection (the same pass with ``A = I``, so ``N_i = M_i``).
+
+Its softmax is stabilized by the shift ``c_i = ||B^T q_i|| max_j ||x_j|| >= max_j s_ij``
+(Cauchy-Schwarz), so no exponent is positive; where this shift is so far above the true maximum that
+every weight underflows (``sum_j exp(s_ij - c_i)`` below 1e-200 in float64, 1e-20 in float32; very
+large scores), the query is redone with the exact maximum. In float32, ``N_i r_i - o_i (A o_i . r_i)``
+(the weighted covariance of the keys applied to ``A^T r_i``) loses relative accuracy
+``~ eps |M_i| / |M_i - o_i o_i^T|`` when attention is nearly hard (a few keys carry all the weight);
+for the book's softmax scales (``nu <= 1``) the float32 loss and gradient agree with float64 to about
+1e-7 relative (16 prompts, n = 1024; ``tests/test_kernels.py`` asks 2e-5).
 
 Public entry points:
 
@@ -45,7 +55,7 @@ Public entry points:
 
 Compiled code is cached on disk (numba ``cache=True``) in :func:`cache_dir`:
 ``$ATTNLIB_KERNEL_CACHE`` or ``~/.cache/attnlib/kernels`` (outside the repository). The first call
-for a new ``(d, dtype, serial or parallel)`` compiles for a few seconds; later processes load the
+for a new ``(d, k, dtype, serial or parallel)`` compiles for a few seconds; later processes load the
 cache (``benchmarks/kernel_benchmark.py`` measures both).
 """
 
@@ -321,23 +331,24 @@ def moments(B, X, queries=None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _moments(B.detach(), X.detach(), Q.detach())
 
 
-def _prepare(B, X, Q, A, Yq, Gm=None, store=False):
-    """The compiled function and its arguments for one moment pass (see :func:`_run_kernel`); the
-    benchmark times the call alone."""
+def _prepare(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
+    """The compiled function and its arguments for one moment pass (see :func:`_run_kernel`; the keys ``X`` are
+    cast to ``adt``, default their dtype, in the copy that transposes them); the benchmark times the call alone."""
     P, n, d = X.shape
     m, k = Q.shape[1], A.shape[-2]
     G = B.shape[0] if B.dim() == 3 else 1
     f8 = torch.float64
     mod = _kernel_module(d, k)
     A8 = A.reshape(G, k, d).to(f8).contiguous()
-    XT = X.transpose(1, 2).contiguous()
-    UT = (A8.to(X.dtype)[:, None] @ XT.reshape(G, P // G, d, n)).reshape(P, k, n)  # u_j = A x_j, per key
+    XT = torch.empty(P, d, n, dtype=X.dtype if adt is None else adt)
+    XT.copy_(X.transpose(1, 2))
+    UT = (A8.to(XT.dtype)[:, None] @ XT.reshape(G, P // G, d, n)).reshape(P, k, n)  # u_j = A x_j, per key
     nblk = (m + _BLOCK - 1) // _BLOCK
     S = np.zeros((P * nblk, _stats_size(d, k)))
     out = np.empty((P, m, d + d * k) if store else (0, 0, 0), dtype=XT.numpy().dtype)
     G8 = A8 if Gm is None else Gm.reshape(G, k, d).to(f8).contiguous()
     args = (XT.numpy(), UT.numpy(), Q.to(f8).contiguous().numpy(), Yq.to(f8).contiguous().numpy(), A8.numpy(),
-            B.reshape(G, d, d).to(f8).contiguous().numpy(), G8.numpy(), S, out, _BLOCK, _TINY[X.dtype], P // G,
+            B.reshape(G, d, d).to(f8).contiguous().numpy(), G8.numpy(), S, out, _BLOCK, _TINY[XT.dtype], P // G,
             Gm is not None, store)  # fmt: skip
     threads = _threads()
     if threads > 1:
@@ -348,7 +359,7 @@ def _prepare(B, X, Q, A, Yq, Gm=None, store=False):
     return mod.moments_serial, args
 
 
-def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
+def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
     """One moment pass. ``X`` (P, n, d) keys in the attention dtype; ``Q`` (P, m, d) query tokens and ``Yq``
     (P, m, k) their targets; ``A`` (k, d), ``B`` (d, d) for every prompt, or per group ``A`` (G, k, d),
     ``B`` (G, d, d) (the P prompts split into G consecutive groups of P / G: the chains of
@@ -356,9 +367,10 @@ def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False):
 
     Returns ``(S, out)``: ``S`` (G, :func:`_stats_size`) float64, each group's sums over its queries
     (``sum ||r||^2``, ``sum r o^T``, ``sum q h^T``, then with ``Gm`` ``sum ||rho||^2``, ``sum rho q^T``,
-    ``rho = Gm q - y``), and with ``store`` ``out`` (P, m, d + d k): ``o_i`` and ``N_i`` per query.
+    ``rho = Gm q - y``), and with ``store`` ``out`` (P, m, d + d k): ``o_i`` and ``N_i`` per query. ``adt``: the
+    attention dtype the keys are cast to (default ``X``'s).
     """
-    fn, args = _prepare(B, X, Q, A, Yq, Gm, store)
+    fn, args = _prepare(B, X, Q, A, Yq, Gm, store, adt)
     fn(*args)
     G = B.shape[0] if B.dim() == 3 else 1
     S, out = args[7], args[8]
@@ -418,20 +430,20 @@ def loss_and_grad(A, B, X, Y, *, queries=None) -> Tuple[torch.Tensor, torch.Tens
     return _loss_and_grad(A.detach().to(X3.dtype), B.detach().to(X3.dtype), X3, Y3, Q3)
 
 
-def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None, Gm=None):
+def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None, Gm=None, adt=None):
     """``(loss, gA, gB)`` (and with ``Gm`` also the control variate's ``(lim, gG)``); with per-group ``A`` (G, k, d),
     ``B`` (G, d, d): one per group, shapes (G,), (G, k, d), (G, d, d)."""
     d, k = X3.shape[2], A.shape[-2]
     P, N = Q3.shape[0], Q3.shape[1]
     G = A.shape[0] if A.dim() == 3 else 1
-    S, _ = _run_kernel(B, X3, Q3, A, Y3, Gm)
+    S, _ = _run_kernel(B, X3, Q3, A, Y3, Gm, adt=adt)
     S = torch.from_numpy(S) / (N * (P // G))
     kd = k * d
     loss, gA, gB = 0.5 * S[:, 0], S[:, 1 : 1 + kd].reshape(G, k, d), S[:, 1 + kd : 1 + kd + d * d].reshape(G, d, d)
     res = [loss, gA, gB]
     if Gm is not None:
         res += [0.5 * S[:, 1 + kd + d * d], S[:, 2 + kd + d * d :].reshape(G, k, d)]
-    dt = X3.dtype if out_dtype is None else out_dtype
+    dt = (X3.dtype if adt is None else adt) if out_dtype is None else out_dtype
     return tuple((t[0] if A.dim() == 2 else t).to(dt) for t in res)
 
 
@@ -484,8 +496,8 @@ class _KernelLossCV(torch.autograd.Function):
     ``(A, B)`` and in the limit map ``Gm`` saved from it."""
 
     @staticmethod
-    def forward(ctx, A, B, Gm, X3, Yf, Qf):
-        loss, gA, gB, lim, gG = _loss_and_grad(A.detach(), B.detach(), X3, Yf, Qf, out_dtype=A.dtype, Gm=Gm.detach())
+    def forward(ctx, A, B, Gm, Xf, Yf, adt):
+        loss, gA, gB, lim, gG = _loss_and_grad(A.detach(), B.detach(), Xf, Yf, Xf, out_dtype=A.dtype, Gm=Gm.detach(), adt=adt)
         ctx.save_for_backward(gA, gB.to(B.dtype), gG.to(Gm.dtype))
         return loss, lim.to(Gm.dtype)
 
@@ -498,14 +510,14 @@ class _KernelLossCV(torch.autograd.Function):
         return g_loss * gA, g_loss * gB, g_lim * gG, None, None, None
 
 
-def _kernel_losses_cv(A, B, Gm, X3, Xf, Yf) -> Tuple[torch.Tensor, torch.Tensor]:
+def _kernel_losses_cv(A, B, Gm, Xf, Yf, *, adt=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The regime-(ii) pair ``(mean_b Lhat_n(X_b), mean_b Lhat_lim(X_b))`` from one moment pass, no checks.
 
-    ``X3`` (P, n, d): the prompts in the attention dtype (the keys); ``Xf``, ``Yf``: the same prompts and their
-    targets in full precision (the queries, the residuals and the sums are float64);
+    ``Xf`` (P, n, d), ``Yf`` (P, n, k): the prompts and their targets in full precision; the keys are cast to
+    the attention dtype ``adt`` (default ``Xf``'s), the queries, the residuals and the sums are float64;
     ``Lhat_lim(X_b) = 1/(2n) sum_i ||Gm x_i - y_i||^2`` with ``Gm = A Sigma B^T`` for the control variate
     (:func:`attnlib.model.prompts.limit_losses`). Both are differentiable (once): the first in ``A``, ``B``,
     the second in ``Gm``. Per-group ``A``, ``B``, ``Gm`` (G, ...) give two tensors of shape (G,).
     """
-    return _KernelLossCV.apply(A, B, Gm, X3, Yf, Xf)
+    return _KernelLossCV.apply(A, B, Gm, Xf, Yf, adt)
 

@@ -104,7 +104,7 @@ class _Stacked:
         with torch.no_grad():
             C, P, n, d = X.shape
             Xf, Yf = X.reshape(C * P, n, d), Y.reshape(C * P, n, -1)
-            att, gA, gB, lim, gG = _loss_and_grad(A, B, Xf.to(self.adt), Yf, Xf, out_dtype=A.dtype, Gm=A @ S @ B.mT)
+            att, gA, gB, lim, gG = _loss_and_grad(A, B, Xf, Yf, Xf, out_dtype=A.dtype, Gm=A @ S @ B.mT, adt=self.adt)
             E = A @ S @ B.mT - self.task.M
             ES = E @ S
             loss = 0.5 * torch.sum(ES * E, dim=(1, 2)) + self.task.bayes_risk + (att - lim)

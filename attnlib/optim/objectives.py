@@ -160,9 +160,8 @@ class PromptObjective:
     def _estimate(self, A, B, X, Y) -> torch.Tensor:
         if not self.control_variate:
             return self._attention_loss(A, B, X, Y)
-        Xa = X.to(self.attention_dtype)
-        if resolve_engine(self.engine, Xa) == "kernel":  # both losses from one pass over the prompts
-            att, lim = _kernel_losses_cv(A, B, A @ self.task.Sigma @ B.mT, Xa, X, Y)
+        if resolve_engine(self.engine, X[:0].to(self.attention_dtype)) == "kernel":  # both losses from one pass
+            att, lim = _kernel_losses_cv(A, B, A @ self.task.Sigma @ B.mT, X, Y, adt=self.attention_dtype)
             corr = att - lim
         else:
             corr = self._attention_loss(A, B, X, Y) - _limit_losses(A, B, self.task.Sigma, X, Y).mean()
