@@ -299,3 +299,30 @@ def test_cuda_uses_sdpa_and_agrees_with_the_cpu_kernel():
     loss = obj.attention_loss(A_, B_, Xc, Yc)
     gpu = (loss.detach(), *torch.autograd.grad(loss, (A_, B_)))
     _assert_close(tuple(t.cpu() for t in gpu), cpu, 1e-10)
+
+
+@pytest.mark.parametrize("adt", [F64, F32])
+def test_control_variate_from_the_same_pass(adt):
+    """The regime-(ii) pair (attention loss, limit loss) and their gradients from one pass equal the SDPA
+    attention losses and ``limit_losses`` with autograd (float64 prompts; float32 keys to the float32 tolerance);
+    per-group parameters give each group's pair."""
+    task = al.Task.random(4, 2, cond=10.0, signal=1.0, seed=0)
+    G_, P, n = 2, 3, 50
+    X, Y = pr.sample_prompts(task, n, G_ * P, seed=3)
+    g = torch.Generator().manual_seed(4)
+    A = torch.randn(G_, 2, 4, generator=g, dtype=F64).requires_grad_()
+    B = (torch.randn(G_, 4, 4, generator=g, dtype=F64) / 3).requires_grad_()
+    Gm = A @ task.Sigma @ B.mT
+    att, lim = K._kernel_losses_cv(A, B, Gm, X, Y, adt=adt)
+    got = torch.autograd.grad((2.0 * att - 3.0 * lim).sum(), (A, B))
+    ref_att, ref_lim = [], []
+    for c in range(G_):
+        sl = slice(c * P, (c + 1) * P)
+        ref_att.append(pr.prompt_losses(A[c], B[c], X[sl], Y[sl]).mean())
+        ref_lim.append(pr.limit_losses(A[c], B[c], task.Sigma, X[sl], Y[sl]).mean())
+    ref_att, ref_lim = torch.stack(ref_att), torch.stack(ref_lim)
+    ref = torch.autograd.grad((2.0 * ref_att - 3.0 * ref_lim).sum(), (A, B))
+    tol = 1e-12 if adt == F64 else 2e-5
+    assert _rel(att.detach(), ref_att.detach()) < tol and _rel(lim.detach(), ref_lim.detach()) < 1e-12
+    assert _rel(got[0], ref[0]) < tol and _rel(got[1], ref[1]) < tol
+    assert att.shape == lim.shape == (G_,)

@@ -131,3 +131,21 @@ def test_lockstep_draws_are_the_sequential_prompts_bit_for_bit():
             assert torch.equal(X[c], Xs) and torch.equal(Y[c], Ys)
     with pytest.raises(ValueError, match="^out"):
         task.sample(4, seed=0, out=(torch.empty(4, 3, dtype=torch.float64), torch.empty(4, 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("engine", ["kernel", "sdpa"])
+def test_chains_of_different_renormalizations_in_one_lockstep(task, engine):
+    """One config per chain, differing in the renormalization (as the prompts sweep's scales at one n): each chain
+    equals its sequential chain; other differences are refused with a one-line error naming ``config``."""
+    C = al.optim.ChainConfig
+    base = dict(steps=10, burn_in=4, prompts=4, lr=0.5, engine=engine, seed=0)
+    cfgs = [C(**base, renormalize="cap", nu_cap=0.25), C(**base, renormalize="balance"),
+            C(**base, renormalize="fix", nu_cap=0.7), C(**base, renormalize="cap", nu_cap=0.25),
+            C(**base, renormalize="fix", nu_cap=0.375)]  # fmt: skip
+    seeds = [al.derive_seed(c, "lockstep-mixed") for c in range(len(cfgs))]
+    seq = [al.run_chain(task, 24, c, seed=s) for c, s in zip(cfgs, seeds)]
+    _assert_same(seq, al.run_chains(task, 24, seeds, cfgs))
+    with pytest.raises(ValueError, match="^config.*'lr'"):
+        al.run_chains(task, 24, seeds[:2], [cfgs[0], C(**{**base, "lr": 0.4}, renormalize="balance")])
+    with pytest.raises(ValueError, match="^config.*one ChainConfig per seed"):
+        al.run_chains(task, 24, seeds, cfgs[:2])

@@ -301,21 +301,26 @@ def chain_of_spec(spec: dict, **options):
     return run_chain(make_task(0.0), int(spec["n"]), **{**_chain_config(spec), **options})
 
 
+#: the config fields in which the chains of one lockstep may differ (:func:`attnlib.optim.run_chains`)
+_PER_CHAIN = ("seed", "renormalize", "nu_cap")
+
+
 def _chain_group(spec: dict) -> str:
-    """The specs whose chains can run in lockstep: everything but the chain (hence the seed) equal."""
+    """The specs whose chains can run in lockstep: the same ``n`` and everything but the seed and the
+    renormalization equal (so the prompts sweep's scales at one ``n`` share the kernel passes)."""
     cfg = _chain_config(spec)
-    return repr((spec["label"], int(spec["n"]), sorted((k, v) for k, v in cfg.items() if k != "seed")))
+    return repr((int(spec["n"]), sorted((k, v) for k, v in cfg.items() if k not in _PER_CHAIN)))
 
 
 def chains_of_specs(specs: Sequence[dict], **options):
     """:func:`chain_of_spec` of every spec, in lockstep (:func:`attnlib.optim.run_chains`): specs of one
-    :func:`_chain_group`, each chain with its own seed stream; equal to the sequential chains to round-off."""
+    :func:`_chain_group` (labels and renormalizations may differ), each chain with its own seed stream and
+    renormalization; equal to the sequential chains to round-off."""
     keys = {_chain_group(s) for s in specs}
     if len(keys) != 1:
         raise ValueError(f"specs: expected chains of one configuration, got {len(keys)} different ones")
-    cfgs = [_chain_config(s) for s in specs]
-    common = {k: v for k, v in cfgs[0].items() if k != "seed"}
-    return run_chains(make_task(0.0), int(specs[0]["n"]), [c["seed"] for c in cfgs], **{**common, **options})
+    cfgs = [ChainConfig(**{**_chain_config(s), **options}) for s in specs]
+    return run_chains(make_task(0.0), int(specs[0]["n"]), [c.seed for c in cfgs], cfgs)
 
 
 def _chain_row(res) -> dict:
@@ -561,8 +566,9 @@ _CHAIN_COLUMNS = tuple(f"r{i}" for i in range(TASK["k"] * TASK["d"])) + (
     "batches",
 )
 
-#: The regime-(ii) chain sweeps compute the chains of one configuration in lockstep (the runner's ``batch``).
-_LOCKSTEP = dict(batch=_run_chains, group=_chain_group)
+#: The regime-(ii) chain sweeps compute the chains of one n and configuration (any renormalization) in lockstep
+#: (the runner's ``batch``), up to 48 at a time (the prompts sweep: its 4 scales x 6 chains at each n).
+_LOCKSTEP = dict(batch=_run_chains, group=_chain_group, max_group=48)
 
 #: The book's sweeps by name, each a dict of ``func`` (``func(spec) -> rows``, module level), ``spec_columns``
 #: (the spec fields written to every row), ``columns`` (what ``func`` returns) and ``full``, ``quick`` (functions

@@ -150,14 +150,74 @@ def _config(config, options) -> ChainConfig:
     return cfg
 
 
-def _starts(task: Task, cfg: ChainConfig, seeds, renorm: Optional[Renormalization]):
+#: the fields in which the chains of one lockstep may differ (besides the seed)
+PER_CHAIN = ("seed", "renormalize", "nu_cap")
+
+
+def _configs(config, options, seeds) -> List[ChainConfig]:
+    """One validated configuration per seed: ``config`` (one ``ChainConfig``, or a sequence of them, one per seed,
+    that differ at most in ``renormalize`` and ``nu_cap``) with ``options`` and each chain's seed."""
+    if isinstance(config, (list, tuple)):
+        if len(config) != len(seeds):
+            raise ValueError(f"config: expected one ChainConfig per seed ({len(seeds)}), got {len(config)}")
+        cfgs = [_config(c, {**options, "seed": s}) for c, s in zip(config, seeds)]
+        common = lambda c: {k: v for k, v in dataclasses.asdict(c).items() if k not in PER_CHAIN}  # noqa: E731
+        for c in cfgs[1:]:
+            diff = sorted(k for k, v in common(c).items() if common(cfgs[0])[k] != v)
+            if diff:
+                raise ValueError(f"config: the chains of one lockstep may differ only in {PER_CHAIN}, not in {diff[0]!r}")
+        return cfgs
+    cfg = _config(config, {**options, "seed": seeds[0]})
+    return [dataclasses.replace(cfg, seed=s) for s in seeds]
+
+
+class _Renorms:
+    """The chains' renormalizations: one :class:`~attnlib.geometry.Renormalization` per distinct ``(mode, nu_cap)``,
+    each applied batched to its chains (one group: the whole stack, no indexing)."""
+
+    def __init__(self, task: Task, cfgs: Sequence[ChainConfig]):
+        keys = [(c.renormalization, c.nu_cap if c.renormalization in ("cap", "fix") else None) for c in cfgs]
+        self.of_chain, self.groups = [], []
+        for key in dict.fromkeys(keys):
+            mode, cap = key
+            ren = Renormalization(mode, task, cap) if mode else None
+            idx = [i for i, k in enumerate(keys) if k == key]
+            self.groups.append((ren, torch.tensor(idx, dtype=torch.long, device=task.device), len(idx) == len(keys)))
+        self.of_chain = [next(r for r, ix, _ in self.groups if int(i) in ix.tolist()) for i in range(len(keys))]
+
+    def gamma2(self, A, B) -> Optional[torch.Tensor]:
+        """Per chain, the balanced-coordinates factor of "cap"/"fix" (1 for the others), shape (C, 1, 1); None if
+        no chain has one."""
+        if not any(r is not None and r.mode in ("cap", "fix") for r, _, _ in self.groups):
+            return None
+        out = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
+        for ren, idx, whole in self.groups:
+            if ren is not None and ren.mode in ("cap", "fix"):
+                out = ren.stacked_gamma2(A, B) if whole else out.index_copy(0, idx, ren.stacked_gamma2(A[idx], B[idx]))
+        return out[:, None, None]
+
+    def apply(self, A, B) -> None:
+        """Renormalize every chain in place."""
+        for ren, idx, whole in self.groups:
+            if ren is None:
+                continue
+            if whole:
+                A_new, B_new = ren.stacked(A, B)
+                A.copy_(A_new)
+                B.copy_(B_new)
+            else:
+                A_new, B_new = ren.stacked(A[idx], B[idx])
+                A.index_copy_(0, idx, A_new)
+                B.index_copy_(0, idx, B_new)
+
+
+def _starts(task: Task, cfgs: Sequence[ChainConfig], renorms: _Renorms):
     """Each chain's start, as :func:`~attnlib.optim.run_chain` builds it, stacked: (C, k, d), (C, d, d)."""
     As, Bs = [], []
-    for s in seeds:
-        c = dataclasses.replace(cfg, seed=int(s))
+    for c, ren in zip(cfgs, renorms.of_chain):
         A, B = _start(c, task.d, task.k, "spectral", lambda: manifold_point(task, task.svd[2]), task.Sigma)
-        if renorm is not None:
-            A, B = renorm(A, B)
+        if ren is not None:
+            A, B = ren(A, B)
         As.append(A)
         Bs.append(B)
     return torch.stack(As), torch.stack(Bs)
@@ -166,11 +226,11 @@ def _starts(task: Task, cfg: ChainConfig, seeds, renorm: Optional[Renormalizatio
 class _Record:
     """Every chain's :class:`~attnlib.optim.History` and iterate average (the Recorder and IterateAverage, batched)."""
 
-    def __init__(self, task: Task, cfg: ChainConfig, n: int, seeds):
+    def __init__(self, task: Task, cfgs: Sequence[ChainConfig], n: int):
         info = dict(n=n, objective="expected loss L_n")
-        summaries = [dataclasses.replace(cfg, seed=s).summary() for s in seeds]
-        self.hists = [History(method=cfg.method, config={**sm, **info}) for sm in summaries]
-        C = len(seeds)
+        cfg = cfgs[0]
+        self.hists = [History(method=c.method, config={**c.summary(), **info}) for c in cfgs]
+        C = len(cfgs)
         self.task, self.burn_in, self.C = task, cfg.burn_in, C
         self.overflow = float(torch.finfo(task.dtype).max) ** 0.5
         self.G_sum = torch.zeros(C, *task.M.shape, dtype=task.dtype, device=task.device)
@@ -207,32 +267,30 @@ def _finite(*tensors) -> None:
         raise _Diverged
 
 
-def _update(A, B, grads, cfg: ChainConfig, S_inv, renorm: Optional[Renormalization]) -> None:
+def _update(A, B, grads, cfg: ChainConfig, S_inv, renorms: _Renorms) -> None:
     """The structured step of every chain (preconditioned; balanced coordinates after "cap"/"fix"), renormalized."""
     gA, gB = grads[0] @ S_inv, S_inv @ grads[1] @ S_inv
     with torch.no_grad():
-        if renorm is not None and renorm.mode in ("cap", "fix"):
-            gamma2 = renorm.stacked_gamma2(A.detach(), B.detach())[:, None, None]
+        gamma2 = renorms.gamma2(A.detach(), B.detach())
+        if gamma2 is not None:
             A -= (cfg.lr * gamma2) * gA
             B -= (cfg.lr / gamma2) * gB
         else:
             A -= cfg.lr * gA
             B -= cfg.lr * gB
         _finite(A, B)
-        if renorm is not None:
-            A_new, B_new = renorm.stacked(A, B)
-            A.copy_(A_new)
-            B.copy_(B_new)
+        renorms.apply(A, B)
         _finite(A, B)
 
 
-def _lockstep(task: Task, n: int, cfg: ChainConfig, seeds) -> List[ChainResult]:
+def _lockstep(task: Task, n: int, cfgs: Sequence[ChainConfig]) -> List[ChainResult]:
     """The loop of :func:`attnlib.optim.run` for every chain at once (raises ``_Diverged``)."""
-    mode = cfg.renormalization
-    renorm = Renormalization(mode, task, cfg.nu_cap) if mode else None
-    A0, B0 = _starts(task, cfg, seeds, renorm)
+    cfg = cfgs[0]  # the fields the chains share
+    renorms = _Renorms(task, cfgs)
+    A0, B0 = _starts(task, cfgs, renorms)
     A, B = A0.requires_grad_(True), B0.requires_grad_(True)
-    estimate, rec = _Stacked(task, n, cfg, seeds), _Record(task, cfg, n, seeds)
+    seeds = [c.seed for c in cfgs]
+    estimate, rec = _Stacked(task, n, cfg, seeds), _Record(task, cfgs, n)
     S_inv, elapsed = torch.linalg.inv(task.Sigma), 0.0
     for t in range(cfg.steps + 1):
         t0 = time.perf_counter()
@@ -245,7 +303,7 @@ def _lockstep(task: Task, n: int, cfg: ChainConfig, seeds) -> List[ChainResult]:
         if t == cfg.steps:
             break
         t0 = time.perf_counter()
-        _update(A, B, grads, cfg, S_inv, renorm)
+        _update(A, B, grads, cfg, S_inv, renorms)
         elapsed += time.perf_counter() - t0
     return _results(task, rec, A.detach(), B.detach(), estimate.calls)
 
@@ -268,19 +326,22 @@ def _results(task: Task, rec: _Record, A, B, calls: int) -> List[ChainResult]:
     return out
 
 
-def run_chains(task: Task, n: int, seeds: Sequence[int], config: Optional[ChainConfig] = None, /, **options):
+def run_chains(task: Task, n: int, seeds: Sequence[int], config=None, /, **options):
     """``[run_chain(task, n, config, seed=s) for s in seeds]``, computed in lockstep (see the module docstring).
 
-    ``seeds``: one per chain (distinct, e.g. ``derive_seed``); ``config`` (a :class:`ChainConfig`) and/or
-    its fields as keywords, its ``seed`` ignored; the structured method only. Returns one
-    :class:`~attnlib.optim.ChainResult` per seed, in order, equal to the sequential chains' to round-off.
+    ``seeds``: one per chain (distinct, e.g. ``derive_seed``); ``config``: a :class:`ChainConfig` for every
+    chain, or a sequence of them, one per seed, that differ at most in ``renormalize`` and ``nu_cap`` (chains of
+    different renormalizations share the kernel pass; each group of equal renormalization is renormalized
+    batched); its fields as keywords apply to every chain; ``seed`` is ignored. The structured method only.
+    Returns one :class:`~attnlib.optim.ChainResult` per seed, in order, equal to the sequential chains' to
+    round-off.
     """
     task, n = check_task(task), check_positive_int(n, "n")
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("seeds: expected at least one seed")
-    cfg = _config(config, {**options, "seed": seeds[0]})
+    cfgs = _configs(config, options, seeds)
     try:
-        return _lockstep(task, n, cfg, seeds)
+        return _lockstep(task, n, cfgs)
     except (_Diverged, ZeroDivisionError):
-        return [run_chain(task, n, dataclasses.replace(cfg, seed=s)) for s in seeds]
+        return [run_chain(task, n, c) for c in cfgs]
