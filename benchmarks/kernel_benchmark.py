@@ -9,29 +9,33 @@ Measured in one run, one torch thread (attnlib's default), CPU time per call (``
 a process that another one time-slices with is charged only for its own cycles), median of
 ``--reps`` calls after one warm-up:
 
-* the regime-(ii) step (``attnlib.model.prompts``: draw 16 prompts, the control-variate estimate of
-  ``L_n``, its gradient, the structured update with renormalization; d = 4, k = 2, the sweeps'
-  task) for n = 256, 1024, 4096, and the attention part alone (``PromptObjective.attention_loss`` and
-  its gradient), timed alternately with the step: ``overhead`` = median of the paired differences
-  step minus attention part (Python, sampling the prompts, the d x d algebra, autograd of the rest);
-* the same step inside whole chains (``--lockstep-n``: n = 256, 1024): ``run_chain`` (one chain, the moment
-  kernel) and ``run_chains`` (``--chains`` = 6 chains in lockstep, as the chain sweeps run them), per chain and
-  step: a chain of ``--chain-steps`` = 20 steps minus a chain of 1 step (the balancing renormalization, a
-  record every 10 steps), so the once-per-chain start and results are left out, as they nearly are in the
-  sweeps' 121-step chains; their attention part is the kernel's loss and gradient on the
-  same number of prompts (all chains' prompts in one call for the lockstep), timed alternately with the
-  chains, and ``overhead`` is again the median paired difference;
+* the regime-(ii) step of one chain (``attnlib.optim.PromptObjective``: draw 16 prompts, the
+  control-variate estimate of ``L_n``, its gradient by autograd, the structured update with
+  renormalization; d = 4, k = 2, the sweeps' task) for n = 256, 1024, 4096, by engine, and its
+  attention part alone (``PromptObjective.attention_loss`` and its gradient on one draw);
+* whole chains in lockstep (``--lockstep-n``: n = 256, 1024; ``--chains`` = 24 chains, the prompts
+  sweep's four renormalizations in turn, as the sweep groups its 4 x 6 chains at one n), per chain and
+  step: a chain of ``--chain-steps`` = 11 steps minus a chain of 1 step (a record every 10 steps), so
+  the once-per-chain start and results are left out, as they nearly are in the sweeps' 121-step chains.
+  Split into the kernel pass alone (the compiled function on prepared arguments: all chains' prompts in
+  one call), the prompt draws (``torch.randn`` and the two products of ``Task.sample`` for every chain,
+  into the lockstep's buffers) and the rest, the Python and launch overhead (the wrappers, the casts
+  and the transposition of the keys, the gradient assembly, the update and renormalization, the
+  checks). The four are timed round robin within each repetition; the overhead is the median over the
+  repetitions of step - kernel pass - draws;
 * the single-sequence loss and gradient (``empirical_loss`` and ``torch.autograd.grad``) for
   n = 1024, 4096, 16384 (d = 4);
 
 each with float64 SDPA + autograd (the reference), float32 SDPA + autograd, and the moment kernel
-in float64 and float32. The bound: per pair of tokens the kernel needs ``F = 4 d + d (d + 1) + 1``
-flops (score ``2d``, first moment ``2d``, second moment ``d (d + 1)`` for the upper triangle, the
-normalizer 1) and one exponential; ``bound = pairs * (F / GEMM rate + 1 / exp rate)`` with the
-rates measured here (a 512 x 512 matrix product with torch; ``torch.exp`` on 64K-element arrays,
-resident in cache). ``fraction of bound`` = bound / measured time (1 = at the bound). Also
-measured: the kernel's compile time (first call, empty cache) and its first call with a warm cache,
-each in a fresh process.
+in float64 and float32. The bound: per pair of tokens the computation needs ``F = 4 d + d (d + 1) + 1``
+flops (score ``2d``, first moment ``2d``, second moment ``d (d + 1)`` for its upper triangle, the
+normalizer 1) and one exponential; ``bound = pairs * (F / GEMM rate + 1 / exp rate)`` with the rates
+measured after every timed call (two 512 x 512 matrix products with torch; ``torch.exp`` on 64K-element
+arrays, resident in cache), so that a call and its bound see the same machine: the host's speed drifts
+by tens of percent within a run. ``fraction of bound`` = median over the calls of bound / time (1 = at
+the bound; the kernel's own formulation needs fewer instructions per pair than ``F`` flops suggest:
+``attnlib.model.kernels``). Also measured: the kernel's compile time (first call, empty cache) and its
+first call with a warm cache, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -190,16 +194,24 @@ def _chains(n, reps, chains, steps):
 
     import attnlib as al
     from attnlib import experiments as ex
+    from attnlib import optim
     from attnlib.model import kernels as Km
     from attnlib.optim import lockstep
 
     task = ex.make_task(0.0)
     seeds = [al.derive_seed(c, "kernel-benchmark") for c in range(chains)]
+    scales = [ex.PROMPT_SCALES[c % len(ex.PROMPT_SCALES)] for c in range(chains)]  # the sweep's scales, in turn
     rows = []
     for adt in (torch.float64, torch.float32):
-        cfg = dict(prompts=PROMPTS, lr=0.5, renormalize="balance", attention_dtype=adt, record_every=10, engine="kernel")
-        label = f"run_chains, {chains} chains in lockstep, moment kernel {str(adt)[6:]}"
-        run = lambda s: al.run_chains(task, n, seeds, steps=s, burn_in=s // 2, **cfg)  # noqa: E731
+        cfg = dict(prompts=PROMPTS, lr=0.5, attention_dtype=adt, record_every=10, engine="kernel")
+        label = (f"run_chains, {chains} chains in lockstep ({len(set(scales))} renormalizations), moment kernel "
+                 f"{str(adt)[6:]}")  # fmt: skip
+
+        def run(s):
+            cfgs = [optim.ChainConfig(**cfg, steps=s, burn_in=s // 2, renormalize=m, nu_cap=cap, seed=0)
+                    for _, m, cap in scales]  # fmt: skip
+            return al.run_chains(task, n, seeds, cfgs)
+
         est = lockstep._Stacked(task, n, lockstep._config(None, dict(cfg, steps=2, burn_in=1, seed=seeds[0])), seeds)
         X, Y = est.draw()
         Xf, Yf = X.reshape(-1, n, D).clone(), Y.reshape(-1, n, K).clone()
@@ -313,8 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-n", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--chains", type=int, default=6, help="chains in lockstep (the prompts sweep's chains per n)")
-    p.add_argument("--chain-steps", type=int, default=21)
+    p.add_argument("--chains", type=int, default=24,
+                   help="chains in lockstep, the prompts sweep's scales in turn (its group at one n: 4 x 6)")  # fmt: skip
+    p.add_argument("--chain-steps", type=int, default=11)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
