@@ -24,7 +24,7 @@ Functions that need the covariance accept either a matrix ``Sigma`` or a
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -310,16 +310,31 @@ class Renormalization:
             nc = torch.linalg.matrix_norm(R.half @ B.mT @ R.half)[:, None, None]
             c = torch.where((na == 0) | (nc == 0), 1.0, torch.sqrt(na / nc))
             return A / c, B * c
+        return Renormalization.stacked_each([self] * A.shape[0], A, B)
+
+    @staticmethod
+    def stacked_each(renorms: Sequence["Renormalization"], A, B) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Iterate ``c`` of the stack renormalized by ``renorms[c]``, all at once: ``"balance"``, ``"cap"`` and
+        ``"fix"`` with any bounds, one ``Sigma`` (one batched balancing, then each iterate's move along the
+        orbit; :func:`attnlib.optim.run_chains` with chains of different renormalizations)."""
+        modes = [r.mode for r in renorms]
+        if len(renorms) != A.shape[0] or not set(modes) <= {"balance", "cap", "fix"}:
+            raise ValueError(f"renorms: expected one 'balance', 'cap' or 'fix' renormalization per iterate, got {modes}")
+        R = renorms[0].roots
         Ab, Bb = _balance_stacked(A, B, R)
-        if self.mode == "balance":
+        if all(m == "balance" for m in modes):
             return Ab, Bb
         At, C = Ab @ R.half, R.half @ Bb.mT @ R.half
         nu = torch.linalg.matrix_norm(C, ord=2) ** 2
-        gamma2 = nu / self.nu_cap
-        if self.mode == "cap":
-            gamma2 = gamma2.clamp_min(1.0)
+        cap = torch.tensor([r.nu_cap or 1.0 for r in renorms], dtype=nu.dtype, device=nu.device)
+        capped = torch.tensor([m == "cap" for m in modes], device=nu.device)
+        gamma2 = torch.where(capped, (nu / cap).clamp_min(1.0), nu / cap)
         gamma = torch.where(nu == 0, 1.0, gamma2**0.5)[:, None, None]
-        return (gamma * At) @ R.inv_half, R.inv_half @ (C / gamma).mT @ R.inv_half
+        A_new, B_new = (gamma * At) @ R.inv_half, R.inv_half @ (C / gamma).mT @ R.inv_half
+        if any(m == "balance" for m in modes):  # those iterates are the balanced ones themselves
+            keep = torch.tensor([m == "balance" for m in modes], device=nu.device)[:, None, None]
+            A_new, B_new = torch.where(keep, Ab, A_new), torch.where(keep, Bb, B_new)
+        return A_new, B_new
 
     def stacked_gamma2(self, A, B) -> torch.Tensor:
         """:meth:`gamma2` of a stack ``A`` (C, k, d), ``B`` (C, d, d): shape (C,)."""

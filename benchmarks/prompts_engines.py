@@ -13,9 +13,10 @@ For every run of ``attnlib.experiments.sweep("prompts")`` (or the subset chosen 
   and control variate);
 * ``sdpa64``: SDPA + autograd in float64 (the old engine), on chain 0 of each (label, n) only
   (``--old-chains``), for the CPU time;
-* ``lock64``, ``lock32``: the chains of each (label, n) in lockstep (``attnlib.optim.run_chains``, what the
-  chain sweeps run by default), moment kernel in float64 and with float32 attention; CPU time per run =
-  the group's CPU time / its chains. ``kernel64`` and ``kernel32`` (one chain at a time) run on the first
+* ``lock64``, ``lock32``: the chains of each n (all scales: the sweep's lockstep groups,
+  ``attnlib.experiments._chain_group``) in lockstep (``attnlib.optim.run_chains``, what the chain sweeps
+  run by default), moment kernel in float64 and with float32 attention; CPU time per run = the group's
+  CPU time / its chains. ``kernel64`` and ``kernel32`` (one chain at a time) run on the first
   ``--seq-chains`` chains of each (label, n) (default: 1), for the CPU time.
 
 It reports (1) the largest deviation of the averaged residuals ``R`` from the committed
@@ -121,8 +122,8 @@ def main(argv=None) -> int:
         if c not in LOCKSTEP and int(s["chain"]) < limit[c] and (s["run"], c) not in done
     ]
     groups = defaultdict(list)
-    for s in specs:
-        groups[s["label"], int(s["n"])].append(s)
+    for s in specs:  # the sweep's own lockstep groups: the chains of one n, every scale
+        groups[ex._chain_group(s)].append(s)
     todo_groups = [
         (g, c)
         for g in sorted(groups.values(), key=lambda g: g[0]["cost"])

@@ -66,6 +66,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -89,7 +90,7 @@ __all__ = [
 ENGINES = ("auto", "kernel", "sdpa")
 #: the largest token dimension the kernel is generated for
 MAX_D = 8
-_BLOCK = 16  # queries per parallel work item
+_BLOCK = 64  # queries per parallel work item (each item adds its sums to one row of S)
 _TINY = {torch.float64: 1e-200, torch.float32: 1e-20}
 _CACHE_ENV = "ATTNLIB_KERNEL_CACHE"
 
@@ -179,7 +180,7 @@ def _kernel_source(d: int, k: int) -> str:
     L += [f"        u{c} = UT[b, {c}]" for c in range(k)]
     L += ["        xm = z", "        for j in range(n):", "            v = " + " + ".join(f"x{a}[j] * x{a}[j]" for a in range(d))]
     L += ["            xm = max(xm, v)", "        xmax = np.sqrt(np.float64(xm))", f"        qv = np.empty({d + 1}, XT.dtype)"]
-    L += ["        s = S[item]", "        for i in range(i0, i1):"]
+    L += ["        s = S[item]", "        s[:] = 0.0", "        for i in range(i0, i1):"]
     L += [f"            w{a} = Q[b, i, {a}]" for a in range(d)]
     for c in range(d):
         L += [f"            qv[{c}] = " + " + ".join(f"w{a} * B[g, {a}, {c}]" for a in range(d))]
@@ -340,11 +341,13 @@ def _prepare(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
     f8 = torch.float64
     mod = _kernel_module(d, k)
     A8 = A.reshape(G, k, d).to(f8).contiguous()
-    XT = torch.empty(P, d, n, dtype=X.dtype if adt is None else adt)
+    XT = _scratch("XT", (P, d, n), X.dtype if adt is None else adt)
     XT.copy_(X.transpose(1, 2))
-    UT = (A8.to(XT.dtype)[:, None] @ XT.reshape(G, P // G, d, n)).reshape(P, k, n)  # u_j = A x_j, per key
+    UT = _scratch("UT", (G, P // G, k, n), XT.dtype)
+    torch.matmul(A8.to(XT.dtype)[:, None], XT.view(G, P // G, d, n), out=UT)  # u_j = A x_j, per key
+    UT = UT.view(P, k, n)
     nblk = (m + _BLOCK - 1) // _BLOCK
-    S = np.zeros((P * nblk, _stats_size(d, k)))
+    S = _scratch("S", (P * nblk, _stats_size(d, k)), f8).numpy()  # each item zeroes its row
     out = np.empty((P, m, d + d * k) if store else (0, 0, 0), dtype=XT.numpy().dtype)
     G8 = A8 if Gm is None else Gm.reshape(G, k, d).to(f8).contiguous()
     args = (XT.numpy(), UT.numpy(), Q.to(f8).contiguous().numpy(), Yq.to(f8).contiguous().numpy(), A8.numpy(),
@@ -357,6 +360,21 @@ def _prepare(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         return mod.moments_parallel, args
     return mod.moments_serial, args
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape, dtype) -> torch.Tensor:
+    """A buffer for one pass's transposed keys, projected keys or sums, kept (per thread) while calls keep the
+    same shapes: a chain allocates them once, not at every step (fresh multi-megabyte arrays cost page faults)."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    t = bufs.get(name)
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        t = bufs[name] = torch.empty(shape, dtype=dtype)
+    return t
 
 
 def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False, adt=None):

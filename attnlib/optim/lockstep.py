@@ -1,17 +1,23 @@
 r"""Chains in lockstep: ``C`` independent regime-(ii) chains of one configuration, advanced together.
 
-:func:`run_chains` is :func:`attnlib.optim.run_chain` for ``C`` seeds at once. Every step draws each
-chain's prompts from that chain's own generator (so chain ``c`` sees exactly the prompts that
+:func:`run_chains` is :func:`attnlib.optim.run_chain` for ``C`` seeds at once; the chains may differ in
+their renormalization (``renormalize``, ``nu_cap``: the prompts sweep's four scales at one ``n`` run as one
+lockstep). Every step draws each chain's prompts from that chain's own generator into buffers kept
+between steps (so chain ``c`` sees exactly, bit for bit, the prompts that
 ``run_chain(task, n, config, seed=seeds[c])`` sees), then evaluates all ``C x P`` prompts in **one**
 call of the moment kernel with each chain's own ``(A, B)`` (per-group parameters,
-:func:`attnlib.model.kernels._kernel_loss_unchecked`; batched SDPA on CUDA), and does the rest of the
-step batched over the chains with torch (no Python loop per chain): the control variate, one autograd
-pass for the ``C`` gradients, the preconditioned structured update and the renormalization
-(:meth:`attnlib.geometry.Renormalization.stacked`). So Python and launch overhead is paid once per step,
-not once per chain and step. Each chain's record (``History``, every ``record_every`` steps), its iterate
-average and its :class:`~attnlib.optim.ChainResult` equal those of the sequential chain to round-off
-(``tests/test_lockstep.py`` asks 1e-12 relative; the prompts are identical bit for bit). ``History.time``
-is the lockstep's wall time divided by ``C``.
+:func:`attnlib.model.kernels._loss_and_grad`), which returns per chain the attention loss, the control
+variate's limit loss and their gradients from the same pass. The rest of the step is batched over the
+chains with torch (no Python loop per chain, no autograd graph): the gradient of the estimate assembled
+from those sums (the population term and the limit loss through ``G = A Sigma B^T``, the regularizer in
+closed form), the preconditioned structured update and the renormalization
+(:meth:`attnlib.geometry.Renormalization.stacked`, once per distinct renormalization among the chains).
+So Python and launch overhead is paid once per step, not once per chain and step
+(``benchmarks/kernel_benchmark.py`` measures it). On CUDA, or without the control variate, the estimate
+is batched SDPA (or the kernel) and one autograd pass. Each chain's record (``History``, every
+``record_every`` steps), its iterate average and its :class:`~attnlib.optim.ChainResult` equal those of
+the sequential chain to round-off (``tests/test_lockstep.py`` asks 1e-12 relative). ``History.time`` is
+the lockstep's wall time divided by ``C``.
 
 Scope: the structured method (preconditioned gradient steps, any renormalization, the regularizer if
 configured), the control-variate or plain estimate, either engine and attention dtype. Divergence is the
@@ -184,20 +190,26 @@ class _Renorms:
             idx = [i for i, k in enumerate(keys) if k == key]
             self.groups.append((ren, torch.tensor(idx, dtype=torch.long, device=task.device), len(idx) == len(keys)))
         self.of_chain = [next(r for r, ix, _ in self.groups if int(i) in ix.tolist()) for i in range(len(keys))]
+        self._capfix = torch.tensor([r is not None and r.mode in ("cap", "fix") for r in self.of_chain], device=task.device)
 
     def gamma2(self, A, B) -> Optional[torch.Tensor]:
         """Per chain, the balanced-coordinates factor of "cap"/"fix" (1 for the others), shape (C, 1, 1); None if
         no chain has one."""
         if not any(r is not None and r.mode in ("cap", "fix") for r, _, _ in self.groups):
             return None
-        out = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
-        for ren, idx, whole in self.groups:
-            if ren is not None and ren.mode in ("cap", "fix"):
-                out = ren.stacked_gamma2(A, B) if whole else out.index_copy(0, idx, ren.stacked_gamma2(A[idx], B[idx]))
+        ren = next(r for r in self.of_chain if r is not None and r.mode in ("cap", "fix"))
+        out = ren.stacked_gamma2(A, B)  # the same Sigma for every chain: one batched call, then 1 where no cap/fix
+        if len(self.groups) > 1:
+            out = torch.where(self._capfix, out, 1.0)
         return out[:, None, None]
 
     def apply(self, A, B) -> None:
-        """Renormalize every chain in place."""
+        """Renormalize every chain in place (one batched call where every chain balances, caps or fixes)."""
+        if len(self.groups) > 1 and all(r is not None and r.mode in ("balance", "cap", "fix") for r, _, _ in self.groups):
+            A_new, B_new = Renormalization.stacked_each(self.of_chain, A, B)
+            A.copy_(A_new)
+            B.copy_(B_new)
+            return
         for ren, idx, whole in self.groups:
             if ren is None:
                 continue
