@@ -17,12 +17,10 @@ a process that another one time-slices with is charged only for its own cycles),
   sweep's four renormalizations in turn, as the sweep groups its 4 x 6 chains at one n), per chain and
   step: a chain of ``--chain-steps`` = 11 steps minus a chain of 1 step (a record every 10 steps), so
   the once-per-chain start and results are left out, as they nearly are in the sweeps' 121-step chains.
-  Split into the kernel pass alone (the compiled function on prepared arguments: all chains' prompts in
-  one call), the prompt draws (``torch.randn`` and the two products of ``Task.sample`` for every chain,
-  into the lockstep's buffers) and the rest, the Python and launch overhead (the wrappers, the casts
-  and the transposition of the keys, the gradient assembly, the update and renormalization, the
-  checks). The four are timed round robin within each repetition; the overhead is the median over the
-  repetitions of step - kernel pass - draws;
+  Split, inside the same runs, into the time in the compiled kernel (one call per step: all chains'
+  prompts), in the prompt draws (``torch.randn`` and the two products of ``Task.sample`` for every chain,
+  into the lockstep's buffers) and the rest, the Python and launch overhead (the wrappers, the cast
+  and transposition of the keys, the gradient assembly, the update and renormalization, the checks);
 * the single-sequence loss and gradient (``empirical_loss`` and ``torch.autograd.grad``) for
   n = 1024, 4096, 16384 (d = 4);
 
@@ -184,19 +182,53 @@ def _prompt_step(n, reps):
     return rows
 
 
+class _InRun:
+    """CPU time spent inside the compiled kernel and inside the prompt draws during a run of ``run_chains``, measured
+    in that run (the compiled function that ``attnlib.model.kernels._prepare`` hands out and ``_Stacked.draw`` are
+    wrapped): the rest of the run is Python and launch overhead."""
+
+    def __init__(self):
+        from attnlib.model import kernels as Km
+        from attnlib.optim import lockstep
+
+        self.kernel = self.draws = 0.0
+        prepare, draw = Km._prepare, lockstep._Stacked.draw
+
+        def timed_prepare(*a, **kw):
+            fn, args = prepare(*a, **kw)
+
+            def call(*x):
+                t0 = time.process_time()
+                fn(*x)
+                self.kernel += time.process_time() - t0
+
+            return call, args
+
+        def timed_draw(est):
+            t0 = time.process_time()
+            out = draw(est)
+            self.draws += time.process_time() - t0
+            return out
+
+        self._undo = lambda: (setattr(Km, "_prepare", prepare), setattr(lockstep._Stacked, "draw", draw))
+        Km._prepare, lockstep._Stacked.draw = timed_prepare, timed_draw
+
+    def close(self):
+        self._undo()
+
+
 def _chains(n, reps, chains, steps):
     """Whole chains in lockstep (``run_chains``, the moment kernel, float64 and float32 attention), per chain and
     step: a chain of ``steps`` steps minus a chain of 1 step (so the once-per-chain start and results are left
-    out). Split into the kernel pass alone (the compiled function on prepared arguments: every chain's prompts
-    in one call), the prompt draws (``torch.randn`` and the two products of ``Task.sample``, every chain), and
-    the rest, which is Python and launch overhead (the d x d algebra, the update, casts and copies)."""
+    out). Inside each run the time in the compiled kernel and in the prompt draws is measured (:class:`_InRun`);
+    the rest is Python and launch overhead (the wrappers, the cast and transposition of the keys, the gradient
+    assembly, the update and renormalization, the checks). The kernel's fraction of bound uses the rates sampled
+    after each run."""
     import torch
 
     import attnlib as al
     from attnlib import experiments as ex
     from attnlib import optim
-    from attnlib.model import kernels as Km
-    from attnlib.optim import lockstep
 
     task = ex.make_task(0.0)
     seeds = [al.derive_seed(c, "kernel-benchmark") for c in range(chains)]
@@ -210,32 +242,26 @@ def _chains(n, reps, chains, steps):
         def run(s):
             cfgs = [optim.ChainConfig(**cfg, steps=s, burn_in=s // 2, renormalize=m, nu_cap=cap, seed=0)
                     for _, m, cap in scales]  # fmt: skip
-            return al.run_chains(task, n, seeds, cfgs)
-
-        est = lockstep._Stacked(task, n, lockstep._config(None, dict(cfg, steps=2, burn_in=1, seed=seeds[0])), seeds)
-        X, Y = est.draw()
-        Xf, Yf = X.reshape(-1, n, D).clone(), Y.reshape(-1, n, K).clone()
-        A0, B0 = al.manifold_point(task, task.svd[2])
-        A, B = A0.expand(chains, -1, -1).contiguous(), B0.expand(chains, -1, -1).contiguous()
-        fn, kargs = Km._prepare(B, Xf, Xf, A, Yf, A @ task.Sigma @ B.mT, adt=adt)
-        run(steps), run(1), fn(*kargs), est.draw()  # warm-up
-        per_rep, parts = [], []
-        for _ in range(reps):  # round robin: the four parts of one repetition see the same machine
-            t = []
-            for f in (lambda: run(steps), lambda: run(1), lambda: [fn(*kargs) for _ in range(steps - 1)],
-                      lambda: [est.draw() for _ in range(steps - 1)]):  # fmt: skip
+            probe = _InRun()
+            try:
                 t0 = time.process_time()
-                f()
-                t.append(time.process_time() - t0)
+                al.run_chains(task, n, seeds, cfgs)
+                return time.process_time() - t0, probe.kernel, probe.draws
+            finally:
+                probe.close()
+
+        run(steps), run(1)  # warm-up
+        parts = []
+        for _ in range(reps):
+            long, short = run(steps), run(1)
             rates = _rate_sample()
             _RATES_SEEN.append(rates)
             per = (steps - 1) * chains
-            step, kern, draw = (t[0] - t[1]) / per, t[2] / per, t[3] / per
-            per_rep.append(step - kern - draw)
-            parts.append((step, kern, draw, _bound(PROMPTS * n * n, adt, rates) / kern))
-        med = [statistics.median(p[i] for p in parts) for i in range(4)]
-        rows.append(dict(case="chains", n=n, impl=label, time=med[0], kernel=med[1], draws=med[2],
-                         overhead=statistics.median(per_rep), fraction=med[3], pairs=PROMPTS * n * n))  # fmt: skip
+            step, kern, draw = ((a - b) / per for a, b in zip(long, short))
+            parts.append((step, kern, draw, step - kern - draw, _bound(PROMPTS * n * n, adt, rates) / kern))
+        med = [statistics.median(p[i] for p in parts) for i in range(5)]
+        rows.append(dict(case="chains", n=n, impl=label, time=med[0], kernel=med[1], draws=med[2], overhead=med[3],
+                         fraction=med[4], pairs=PROMPTS * n * n))  # fmt: skip
     return rows
 
 
@@ -292,9 +318,10 @@ def _table(rows, compile_s, load_s, reps):
         "",
         "**Chains in lockstep, per chain and step: the kernel pass, the prompt draws, and Python and launch overhead**",
         "",
-        "Medians over the repetitions; the overhead is the median of each repetition's step - kernel pass - draws.",
+        "Medians over the repetitions; in each, the kernel and draw times are measured inside the same runs and the "
+        "overhead is step - kernel - draws.",
         "",
-        "| n | engine | step (ms) | kernel pass (ms) | prompt draws (ms) | overhead (ms) | overhead share "
+        "| n | engine | step (ms) | in the kernel (ms) | in the prompt draws (ms) | overhead (ms) | overhead share "
         "| kernel fraction of bound | step speed-up vs the one-chain reference |",
         "|---:|:---|---:|---:|---:|---:|---:|---:|---:|",
     ]

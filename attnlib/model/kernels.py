@@ -91,6 +91,7 @@ ENGINES = ("auto", "kernel", "sdpa")
 #: the largest token dimension the kernel is generated for
 MAX_D = 8
 _BLOCK = 64  # queries per parallel work item (each item adds its sums to one row of S)
+_WHOLE_MIN = 8  # from this many prompts on, one work item per prompt (the kernel transposes the keys itself)
 _TINY = {torch.float64: 1e-200, torch.float32: 1e-20}
 _CACHE_ENV = "ATTNLIB_KERNEL_CACHE"
 
@@ -153,10 +154,12 @@ def _kernel_source(d: int, k: int) -> str:
     """numba source of the moment kernel for tokens of dimension ``d`` and targets of dimension ``k``
     (two functions: serial and parallel).
 
-    Per query ``i`` (one work item: a block of ``block`` queries of one prompt ``b``, parameter group
-    ``g = b // pg``): the shift ``c``, then one pass over the keys accumulating ``Z = sum_j e_j``,
-    ``o = sum_j e_j x_j`` and ``N = sum_j e_j x_j u_j^T`` with ``e_j = exp(qB x_j - c)`` and
-    ``u_j = A x_j`` (``UT``: precomputed per key), in the attention dtype; then, in float64,
+    A work item is a block of ``block`` queries of one prompt ``b`` (parameter group ``g = b // pg``), or with
+    ``whole`` the whole prompt, whose keys the item then transposes (and casts) from ``X`` itself instead of
+    reading them from ``XT``; either way it projects them, ``u_j = A x_j`` in the attention dtype, and takes
+    ``max_j ||x_j||``. Per query ``i``: the shift ``c``, then one pass over the keys accumulating
+    ``Z = sum_j e_j``, ``o = sum_j e_j x_j`` and ``N = sum_j e_j x_j u_j^T`` with ``e_j = exp(qB x_j - c)``,
+    in the attention dtype; then, in float64,
     ``r = A o - y``, ``h = N r - o (A o . r) = (M - o o^T) A^T r`` and the item's partial sums ``S[item]``.
     """
     ax = [(a, c) for a in range(d) for c in range(k)]
@@ -165,19 +168,27 @@ def _kernel_source(d: int, k: int) -> str:
     dot_x = lambda j: " + ".join(f"q{a} * x{a}[{j}]" for a in range(d))  # noqa: E731
     kd = k * d
     L = [
-        "    P = XT.shape[0]",
-        "    n = XT.shape[2]",
+        "    P = X.shape[0]",
+        "    n = X.shape[1]",
         "    m = Q.shape[1]",
-        "    z = XT[0, 0, 0] - XT[0, 0, 0]  # a zero of the attention dtype (XT is finite)",
+        "    z = XT.dtype.type(0)  # a zero of the attention dtype",
         "    nblk = (m + block - 1) // block",
         "    for item in prange(P * nblk):",
         "        b = item // nblk",
         "        g = b // pg  # the parameter group (chain) of prompt b",
         "        i0 = (item % nblk) * block",
         "        i1 = min(m, i0 + block)",
+        "        if whole:  # the item is the whole prompt: transpose (and cast) its keys here",
+        f"            xt = np.empty(({d}, n), XT.dtype)",
+        "            for j in range(n):",
     ]
-    L += [f"        x{a} = XT[b, {a}]" for a in range(d)]
-    L += [f"        u{c} = UT[b, {c}]" for c in range(k)]
+    L += [f"                xt[{a}, j] = X[b, j, {a}]" for a in range(d)]
+    L += ["        else:", "            xt = XT[b]"]
+    # the projected keys u_j = A x_j, from the keys in the attention dtype (the same loop for both kinds of item)
+    L += [f"        ut = np.empty(({k}, n), XT.dtype)", "        for j in range(n):"]
+    L += [f"            ut[{c}, j] = " + " + ".join(f"A[g, {c}, {a}] * xt[{a}, j]" for a in range(d)) for c in range(k)]
+    L += [f"        x{a} = xt[{a}]" for a in range(d)]
+    L += [f"        u{c} = ut[{c}]" for c in range(k)]
     L += ["        xm = z", "        for j in range(n):", "            v = " + " + ".join(f"x{a}[j] * x{a}[j]" for a in range(d))]
     L += ["            xm = max(xm, v)", "        xmax = np.sqrt(np.float64(xm))", f"        qv = np.empty({d + 1}, XT.dtype)"]
     L += ["        s = S[item]", "        s[:] = 0.0", "        for i in range(i0, i1):"]
@@ -240,7 +251,7 @@ def _kernel_source(d: int, k: int) -> str:
         funcs += [
             "",
             f"@njit(cache=True, fastmath=True, nogil=True, parallel={par})",
-            f"def {name}(XT, UT, Q, Yq, A, B, Gm, S, out, block, tiny, pg, cv, store):",
+            f"def {name}(X, XT, Q, Yq, A, B, Gm, S, out, block, tiny, pg, cv, store, whole):",
             text,
             "",
         ]
@@ -341,18 +352,23 @@ def _prepare(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
     f8 = torch.float64
     mod = _kernel_module(d, k)
     A8 = A.reshape(G, k, d).to(f8).contiguous()
-    XT = _scratch("XT", (P, d, n), X.dtype if adt is None else adt)
-    XT.copy_(X.transpose(1, 2))
-    UT = _scratch("UT", (G, P // G, k, n), XT.dtype)
-    torch.matmul(A8.to(XT.dtype)[:, None], XT.view(G, P // G, d, n), out=UT)  # u_j = A x_j, per key
-    UT = UT.view(P, k, n)
-    nblk = (m + _BLOCK - 1) // _BLOCK
+    adt = X.dtype if adt is None else adt
+    whole = P >= _WHOLE_MIN
+    if whole:  # one work item per prompt: the kernel transposes and casts the keys itself
+        block = max(m, 1)
+        XT = torch.empty(0, 0, 0, dtype=adt)
+    else:
+        block = _BLOCK
+        XT = _scratch("XT", (P, d, n), adt)
+        XT.copy_(X.transpose(1, 2))
+    Xk = X.contiguous()  # the kernel reads it in whole-prompt items only
+    nblk = (m + block - 1) // block
     S = _scratch("S", (P * nblk, _stats_size(d, k)), f8).numpy()  # each item zeroes its row
     out = np.empty((P, m, d + d * k) if store else (0, 0, 0), dtype=XT.numpy().dtype)
     G8 = A8 if Gm is None else Gm.reshape(G, k, d).to(f8).contiguous()
-    args = (XT.numpy(), UT.numpy(), Q.to(f8).contiguous().numpy(), Yq.to(f8).contiguous().numpy(), A8.numpy(),
-            B.reshape(G, d, d).to(f8).contiguous().numpy(), G8.numpy(), S, out, _BLOCK, _TINY[XT.dtype], P // G,
-            Gm is not None, store)  # fmt: skip
+    args = (Xk.numpy(), XT.numpy(), Q.to(f8).contiguous().numpy(), Yq.to(f8).contiguous().numpy(),
+            A8.numpy(), B.reshape(G, d, d).to(f8).contiguous().numpy(), G8.numpy(), S, out, block, _TINY[adt],
+            P // G, Gm is not None, store, whole)  # fmt: skip
     threads = _threads()
     if threads > 1:
         import numba
