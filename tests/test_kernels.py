@@ -326,3 +326,17 @@ def test_control_variate_from_the_same_pass(adt):
     assert _rel(att.detach(), ref_att.detach()) < tol and _rel(lim.detach(), ref_lim.detach()) < 1e-12
     assert _rel(got[0], ref[0]) < tol and _rel(got[1], ref[1]) < tol
     assert att.shape == lim.shape == (G_,)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_whole_prompt_items_match_query_blocks(dtype):
+    """From ``_WHOLE_MIN`` prompts on, each work item is a whole prompt that transposes its own keys; the
+    result equals one call per prompt (query blocks, keys transposed outside) and the reference."""
+    P = K._WHOLE_MIN
+    A, B, X, Y = _inputs(4, n=90, P=P, seed=21, dtype=dtype)
+    got = K.loss_and_grad(A, B, X, Y)
+    per = [K.loss_and_grad(A, B, X[b], Y[b]) for b in range(P)]
+    mean = [torch.stack([p[i] for p in per]).mean(dim=0) for i in range(3)]
+    tol = 1e-13 if dtype == F64 else 1e-6
+    _assert_close(got, mean, tol)
+    _assert_close(got, _reference(A, B, X, Y), 1e-12 if dtype == F64 else 2e-5)

@@ -91,6 +91,16 @@ def test_stacked_renormalization_equals_one_call_per_iterate(task):
         assert np.allclose(gam.numpy(), [R.gamma2(A[c], B[c]) for c in range(4)], rtol=1e-14, atol=0)
     dist = _stacked_distance(A, B, task)
     assert np.allclose(dist.numpy(), [float(al.distance_to_manifold(A[c], B[c], task)) for c in range(4)], rtol=1e-13)
+    # a different renormalization per iterate, in one call
+    each = [Renormalization(m, task, cap) for m, cap in (("cap", 0.25), ("balance", None), ("fix", 0.7), ("fix", 0.3))]
+    As, Bs = Renormalization.stacked_each(each, A, B)
+    for c in range(4):
+        a, b = each[c](A[c], B[c])
+        assert torch.allclose(As[c], a, rtol=0, atol=1e-13) and torch.allclose(Bs[c], b, rtol=0, atol=1e-13), c
+    with pytest.raises(ValueError, match="^renorms"):
+        Renormalization.stacked_each(each[:3], A, B)
+    with pytest.raises(ValueError, match="^renorms"):
+        Renormalization.stacked_each([Renormalization("equalize", task)] * 4, A, B)
 
 
 def test_bad_input(task):
