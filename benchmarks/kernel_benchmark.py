@@ -308,12 +308,8 @@ def _table(rows, compile_s, load_s, reps):
         "| n | engine | step (ms) | step speed-up vs reference | attention part (ms) | attention fraction of bound |",
         "|---:|:---|---:|---:|---:|---:|",
     ]
-    for n in sorted({r["n"] for r in rows if r["case"] == "prompts"}):
-        group = [r for r in rows if r["case"] == "prompts" and r["n"] == n]
-        ref = group[0]["time"]
-        for r in group:
-            lines.append(f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {ref / r['time']:.2f}x | "
-                         f"{1e3 * r['attention']:.1f} | {r['fraction']:.2f} |")  # fmt: skip
+    lines += _engine_rows(rows, "prompts", lambda r, up: f"{1e3 * r['time']:.1f} | {up:.2f}x | "
+                          f"{1e3 * r['attention']:.1f} | {r['fraction']:.2f}")  # fmt: skip
     lines += [
         "",
         "**Chains in lockstep, per chain and step: the kernel pass, the prompt draws, and Python and launch overhead**",
@@ -339,12 +335,17 @@ def _table(rows, compile_s, load_s, reps):
         "| n | engine | time (ms) | speed-up vs reference | fraction of bound |",
         "|---:|:---|---:|---:|---:|",
     ]
-    for n in sorted({r["n"] for r in rows if r["case"] == "single"}):
-        group = [r for r in rows if r["case"] == "single" and r["n"] == n]
-        ref = group[0]["time"]
-        for r in group:
-            lines.append(f"| {n} | {r['impl']} | {1e3 * r['time']:.1f} | {ref / r['time']:.2f}x | {r['fraction']:.2f} |")
+    lines += _engine_rows(rows, "single", lambda r, up: f"{1e3 * r['time']:.1f} | {up:.2f}x | {r['fraction']:.2f}")
     return "\n".join(lines + [""])
+
+
+def _engine_rows(rows, case, cells):
+    """The table rows of one case, by n, each engine's ``cells(row, speed-up against the first row of its n)``."""
+    out = []
+    for n in sorted({r["n"] for r in rows if r["case"] == case}):
+        group = [r for r in rows if r["case"] == case and r["n"] == n]
+        out += [f"| {n} | {r['impl']} | {cells(r, group[0]['time'] / r['time'])} |" for r in group]
+    return out
 
 
 def main(argv=None) -> int:

@@ -27,36 +27,32 @@ from numba.extending import intrinsic, overload
 __all__ = ["exp_nonpos", "exp_array"]
 
 
-@intrinsic
-def _bits_to_float(typingctx, x):
-    """Reinterpret the bits of an int64 (int32) as a float64 (float32)."""
-    if x == types.int64:
-        sig, llty = types.float64(types.int64), ir.DoubleType()
-    elif x == types.int32:
-        sig, llty = types.float32(types.int32), ir.FloatType()
-    else:
+def _bitcast(table, doc):
+    """An intrinsic that reinterprets the bits of its one argument: ``table`` maps each argument type accepted to
+    the numba and LLVM types of the result."""
+
+    def typer(typingctx, x):
+        for src, dst, llty in table:
+            if x == src:
+
+                def codegen(context, builder, signature, args):
+                    return builder.bitcast(args[0], llty)
+
+                return dst(src), codegen
         return None
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llty)
-
-    return sig, codegen
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def _float_to_bits(typingctx, x):
-    """Reinterpret the bits of a float64 (float32) as an int64 (int32)."""
-    if x == types.float64:
-        sig, llty = types.int64(types.float64), ir.IntType(64)
-    elif x == types.float32:
-        sig, llty = types.int32(types.float32), ir.IntType(32)
-    else:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llty)
-
-    return sig, codegen
+_bits_to_float = _bitcast(
+    ((types.int64, types.float64, ir.DoubleType()), (types.int32, types.float32, ir.FloatType())),
+    "Reinterpret the bits of an int64 (int32) as a float64 (float32).",
+)
+_float_to_bits = _bitcast(
+    ((types.float64, types.int64, ir.IntType(64)), (types.float32, types.int32, ir.IntType(32))),
+    "Reinterpret the bits of a float64 (float32) as an int64 (int32).",
+)
 
 
 @intrinsic
