@@ -319,7 +319,9 @@ class Renormalization:
         orbit; :func:`attnlib.optim.run_chains` with chains of different renormalizations)."""
         modes = [r.mode for r in renorms]
         if len(renorms) != A.shape[0] or not set(modes) <= {"balance", "cap", "fix"}:
-            raise ValueError(f"renorms: expected one 'balance', 'cap' or 'fix' renormalization per iterate, got {modes}")
+            raise ValueError(
+                f"renorms: expected one 'balance', 'cap' or 'fix' renormalization per iterate, got {modes}"
+            )
         R = renorms[0].roots
         Ab, Bb = _balance_stacked(A, B, R)
         if all(m == "balance" for m in modes):

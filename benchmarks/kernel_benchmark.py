@@ -353,8 +353,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-n", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--chains", type=int, default=24,
-                   help="chains in lockstep, the prompts sweep's scales in turn (its group at one n: 4 x 6)")  # fmt: skip
+    p.add_argument("--chains", type=int, default=24, help="chains in lockstep, the prompts sweep's scales in turn")
     p.add_argument("--chain-steps", type=int, default=11)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")

@@ -7,10 +7,10 @@ branch-free so that LLVM vectorizes the loop. ``k`` is rounded by adding ``1.5 2
 (float32: ``1.5 2^23 + 127``): the sum's last mantissa bits are then ``k + 1023``, so one subtraction
 gives ``k`` and one shift gives the bits of ``2^k`` (no floor, no float-to-integer conversion; two
 vector instructions fewer per exponential than rounding with ``floor``). The polynomial is evaluated by
-Estrin's scheme (powers ``r^2, r^4, r^8``, then pairs): three more multiplications than Horner's rule
-but a dependency chain of 5 instead of 12 fused multiply-adds in float64 (4 instead of 7 in float32), which
-is what limits the kernel's loop (each pair's exponential is a long chain; measured 10% faster in float64) (numba has no vector ``exp`` without Intel's SVML,
-which the registry's llvmlite does not use). Arguments are clamped at -700 (float32: -87): a
+Estrin's scheme (powers ``r^2, r^4, r^8``, then pairs): three more multiplications than Horner's rule,
+but a dependency chain of 4 operations instead of 12 in float64 (3 instead of 7 in float32), and that chain
+is what limits the kernel's loop (measured: the kernel 10% faster in float64). numba has no vector ``exp``
+without Intel's SVML, which the registry's llvmlite does not use. Arguments are clamped at -700 (float32: -87): a
 smaller argument gives a weight below ``e^-700`` (``e^-87``) of the largest one, zero to the
 precision of the sums. Measured relative error (``tests/test_kernels.py``): below 1e-15 for
 arguments in [-1, 0] and 3e-14 over [-700, 0] in float64 (the compiler's fast-math reassociation

@@ -150,23 +150,9 @@ def _stats_size(d: int, k: int) -> int:
     return 1 + k * d + d * d + 1 + k * d
 
 
-def _kernel_source(d: int, k: int) -> str:
-    """numba source of the moment kernel for tokens of dimension ``d`` and targets of dimension ``k``
-    (two functions: serial and parallel).
-
-    A work item is a block of ``block`` queries of one prompt ``b`` (parameter group ``g = b // pg``), or with
-    ``whole`` the whole prompt, whose keys the item then transposes (and casts) from ``X`` itself instead of
-    reading them from ``XT``; either way it projects them, ``u_j = A x_j`` in the attention dtype, and takes
-    ``max_j ||x_j||``. Per query ``i``: the shift ``c``, then one pass over the keys accumulating
-    ``Z = sum_j e_j``, ``o = sum_j e_j x_j`` and ``N = sum_j e_j x_j u_j^T`` with ``e_j = exp(qB x_j - c)``,
-    in the attention dtype; then, in float64,
-    ``r = A o - y``, ``h = N r - o (A o . r) = (M - o o^T) A^T r`` and the item's partial sums ``S[item]``.
-    """
-    ax = [(a, c) for a in range(d) for c in range(k)]
-    acc = ["Z"] + [f"o{a}" for a in range(d)] + [f"n{a}_{c}" for a, c in ax]
-    dot = " + ".join(f"q{a} * y{a}" for a in range(d))
-    dot_x = lambda j: " + ".join(f"q{a} * x{a}[{j}]" for a in range(d))  # noqa: E731
-    kd = k * d
+def _item_lines(d: int, k: int) -> list:
+    """Per work item: its prompt, group and queries; the keys (transposed here for a whole-prompt item),
+    their projections ``u_j = A x_j`` and ``max_j ||x_j||``."""
     L = [
         "    P = X.shape[0]",
         "    n = X.shape[1]",
@@ -189,8 +175,27 @@ def _kernel_source(d: int, k: int) -> str:
     L += [f"            ut[{c}, j] = " + " + ".join(f"A[g, {c}, {a}] * xt[{a}, j]" for a in range(d)) for c in range(k)]
     L += [f"        x{a} = xt[{a}]" for a in range(d)]
     L += [f"        u{c} = ut[{c}]" for c in range(k)]
-    L += ["        xm = z", "        for j in range(n):", "            v = " + " + ".join(f"x{a}[j] * x{a}[j]" for a in range(d))]
-    L += ["            xm = max(xm, v)", "        xmax = np.sqrt(np.float64(xm))", f"        qv = np.empty({d + 1}, XT.dtype)"]
+    L += [
+        "        xm = z",
+        "        for j in range(n):",
+        "            v = " + " + ".join(f"x{a}[j] * x{a}[j]" for a in range(d)),
+    ]
+    L += [
+        "            xm = max(xm, v)",
+        "        xmax = np.sqrt(np.float64(xm))",
+        f"        qv = np.empty({d + 1}, XT.dtype)",
+    ]
+    return L
+
+
+def _query_lines(d: int, k: int) -> list:
+    """Per query: ``qB``, the shift, the pass over the keys (``Z``, ``o``, ``N``; redone with the exact maximum
+    where every weight underflowed), normalized; stored with ``store``."""
+    ax = [(a, c) for a in range(d) for c in range(k)]
+    acc = ["Z"] + [f"o{a}" for a in range(d)] + [f"n{a}_{c}" for a, c in ax]
+    dot = " + ".join(f"q{a} * y{a}" for a in range(d))
+    dot_x = lambda j: " + ".join(f"q{a} * x{a}[{j}]" for a in range(d))  # noqa: E731
+    L = []
     L += ["        s = S[item]", "        s[:] = 0.0", "        for i in range(i0, i1):"]
     L += [f"            w{a} = Q[b, i, {a}]" for a in range(d)]
     for c in range(d):
@@ -218,6 +223,14 @@ def _kernel_source(d: int, k: int) -> str:
     ]
     L += [f"            {name} *= inv" for name in acc[1:]]
     L += ["            if store:"] + [f"                out[b, i, {t}] = {name}" for t, name in enumerate(acc[1:])]
+    return L
+
+
+def _epilogue_lines(d: int, k: int) -> list:
+    """Per query, in float64: ``r = A o - y``, ``h = N r - o (A o . r)`` and the item's sums (the control variate's
+    with ``cv``)."""
+    kd = k * d
+    L = []
     # per query, in float64: residual, h = N r - o (A o . r), partial sums
     L += [f"            O{a} = np.float64(o{a})" for a in range(d)]
     for c in range(k):
@@ -234,6 +247,22 @@ def _kernel_source(d: int, k: int) -> str:
         L += [f"                p{c} = " + " + ".join(f"Gm[g, {c}, {a}] * w{a}" for a in range(d)) + f" - yq{c}"]
     L += [f"                s[{1 + kd + d * d}] += " + " + ".join(f"p{c} * p{c}" for c in range(k))]
     L += [f"                s[{2 + kd + d * d + c * d + a}] += p{c} * w{a}" for c in range(k) for a in range(d)]
+    return L
+
+
+def _kernel_source(d: int, k: int) -> str:
+    """numba source of the moment kernel for tokens of dimension ``d`` and targets of dimension ``k``
+    (two functions: serial and parallel).
+
+    A work item is a block of ``block`` queries of one prompt ``b`` (parameter group ``g = b // pg``), or with
+    ``whole`` the whole prompt, whose keys the item then transposes (and casts) from ``X`` itself instead of
+    reading them from ``XT``; either way it projects them, ``u_j = A x_j`` in the attention dtype, and takes
+    ``max_j ||x_j||``. Per query ``i``: the shift ``c``, then one pass over the keys accumulating
+    ``Z = sum_j e_j``, ``o = sum_j e_j x_j`` and ``N = sum_j e_j x_j u_j^T`` with ``e_j = exp(qB x_j - c)``,
+    in the attention dtype; then, in float64,
+    ``r = A o - y``, ``h = N r - o (A o . r) = (M - o o^T) A^T r`` and the item's partial sums ``S[item]``.
+    """
+    L = _item_lines(d, k) + _query_lines(d, k) + _epilogue_lines(d, k)
     text = "\n".join(L)
     head = [
         f'"""Generated by attnlib.model.kernels for d = {d}, k = {k}; do not edit (regenerated when it differs)."""',
@@ -531,7 +560,9 @@ class _KernelLossCV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, A, B, Gm, Xf, Yf, adt):
-        loss, gA, gB, lim, gG = _loss_and_grad(A.detach(), B.detach(), Xf, Yf, Xf, out_dtype=A.dtype, Gm=Gm.detach(), adt=adt)
+        loss, gA, gB, lim, gG = _loss_and_grad(
+            A.detach(), B.detach(), Xf, Yf, Xf, out_dtype=A.dtype, Gm=Gm.detach(), adt=adt
+        )
         ctx.save_for_backward(gA, gB.to(B.dtype), gG.to(Gm.dtype))
         return loss, lim.to(Gm.dtype)
 
@@ -554,4 +585,3 @@ def _kernel_losses_cv(A, B, Gm, Xf, Yf, *, adt=None) -> Tuple[torch.Tensor, torc
     the second in ``Gm``. Per-group ``A``, ``B``, ``Gm`` (G, ...) give two tensors of shape (G,).
     """
     return _KernelLossCV.apply(A, B, Gm, Xf, Yf, adt)
-

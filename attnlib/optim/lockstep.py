@@ -75,7 +75,10 @@ class _Stacked:
             pairs = [sample_prompts(task, n, P, generator=g) for g in self.gens]
             return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
         if self._buf is None:
-            self._buf = (torch.empty(C, P * n, task.d, dtype=torch.float64), torch.empty(C, P * n, task.k, dtype=torch.float64))
+            self._buf = (
+                torch.empty(C, P * n, task.d, dtype=torch.float64),
+                torch.empty(C, P * n, task.k, dtype=torch.float64),
+            )
         X, Y = self._buf
         for c, g in enumerate(self.gens):
             task.sample(P * n, generator=g, out=(X[c], Y[c]))
@@ -171,7 +174,9 @@ def _configs(config, options, seeds) -> List[ChainConfig]:
         for c in cfgs[1:]:
             diff = sorted(k for k, v in common(c).items() if common(cfgs[0])[k] != v)
             if diff:
-                raise ValueError(f"config: the chains of one lockstep may differ only in {PER_CHAIN}, not in {diff[0]!r}")
+                raise ValueError(
+                    f"config: the chains of one lockstep may differ only in {PER_CHAIN}, not in {diff[0]!r}"
+                )
         return cfgs
     cfg = _config(config, {**options, "seed": seeds[0]})
     return [dataclasses.replace(cfg, seed=s) for s in seeds]
@@ -190,7 +195,9 @@ class _Renorms:
             idx = [i for i, k in enumerate(keys) if k == key]
             self.groups.append((ren, torch.tensor(idx, dtype=torch.long, device=task.device), len(idx) == len(keys)))
         self.of_chain = [next(r for r, ix, _ in self.groups if int(i) in ix.tolist()) for i in range(len(keys))]
-        self._capfix = torch.tensor([r is not None and r.mode in ("cap", "fix") for r in self.of_chain], device=task.device)
+        self._capfix = torch.tensor(
+            [r is not None and r.mode in ("cap", "fix") for r in self.of_chain], device=task.device
+        )
 
     def gamma2(self, A, B) -> Optional[torch.Tensor]:
         """Per chain, the balanced-coordinates factor of "cap"/"fix" (1 for the others), shape (C, 1, 1); None if
@@ -205,7 +212,9 @@ class _Renorms:
 
     def apply(self, A, B) -> None:
         """Renormalize every chain in place (one batched call where every chain balances, caps or fixes)."""
-        if len(self.groups) > 1 and all(r is not None and r.mode in ("balance", "cap", "fix") for r, _, _ in self.groups):
+        if len(self.groups) > 1 and all(
+            r is not None and r.mode in ("balance", "cap", "fix") for r, _, _ in self.groups
+        ):
             A_new, B_new = Renormalization.stacked_each(self.of_chain, A, B)
             A.copy_(A_new)
             B.copy_(B_new)
