@@ -62,6 +62,7 @@ from ..model.task import Task
 from ..optim import ChainConfig, Snapshots, run_chain, run_chains, train, train_prompts
 from ..optim.grid import grid_search
 from ..optim.init import spectral_init
+from ..optim.lockstep import PER_CHAIN
 from ..rng import derive_seed
 from .runner import Sweep, read_sweep, run_sweep
 
@@ -301,15 +302,11 @@ def chain_of_spec(spec: dict, **options):
     return run_chain(make_task(0.0), int(spec["n"]), **{**_chain_config(spec), **options})
 
 
-#: the config fields in which the chains of one lockstep may differ (:func:`attnlib.optim.run_chains`)
-_PER_CHAIN = ("seed", "renormalize", "nu_cap")
-
-
 def _chain_group(spec: dict) -> str:
     """The specs whose chains can run in lockstep: the same ``n`` and everything but the seed and the
     renormalization equal (so the prompts sweep's scales at one ``n`` share the kernel passes)."""
     cfg = _chain_config(spec)
-    return repr((int(spec["n"]), sorted((k, v) for k, v in cfg.items() if k not in _PER_CHAIN)))
+    return repr((int(spec["n"]), sorted((k, v) for k, v in cfg.items() if k not in PER_CHAIN)))
 
 
 def chains_of_specs(specs: Sequence[dict], **options):

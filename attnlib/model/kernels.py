@@ -411,7 +411,7 @@ _SCRATCH = threading.local()
 
 
 def _scratch(name: str, shape, dtype) -> torch.Tensor:
-    """A buffer for one pass's transposed keys, projected keys or sums, kept (per thread) while calls keep the
+    """A buffer for one pass's transposed keys or its sums, kept (per thread) while calls keep the
     same shapes: a chain allocates them once, not at every step (fresh multi-megabyte arrays cost page faults)."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
@@ -423,7 +423,7 @@ def _scratch(name: str, shape, dtype) -> torch.Tensor:
 
 
 def _run_kernel(B, X, Q, A, Yq, Gm=None, store=False, adt=None):
-    """One moment pass. ``X`` (P, n, d) keys in the attention dtype; ``Q`` (P, m, d) query tokens and ``Yq``
+    """One moment pass. ``X`` (P, n, d) keys (cast to ``adt``); ``Q`` (P, m, d) query tokens and ``Yq``
     (P, m, k) their targets; ``A`` (k, d), ``B`` (d, d) for every prompt, or per group ``A`` (G, k, d),
     ``B`` (G, d, d) (the P prompts split into G consecutive groups of P / G: the chains of
     :func:`attnlib.optim.run_chains`); ``Gm`` the control variate's linear map, shaped like ``A``, or None.
@@ -511,21 +511,24 @@ def _loss_and_grad(A, B, X3, Y3, Q3, out_dtype=None, Gm=None, adt=None):
 
 
 class _KernelLoss(torch.autograd.Function):
-    """The loss, with the gradient in ``A`` and ``B`` saved from the same pass."""
+    """The attention loss and, given a limit map ``Gm``, the control variate's limit loss (else zero) from one
+    pass, with their gradients in ``(A, B)`` and in ``Gm`` saved from it."""
 
     @staticmethod
-    def forward(ctx, A, B, X3, Y3, Q3):
-        loss, gA, gB = _loss_and_grad(A.detach(), B.detach(), X3, Y3, Q3, out_dtype=A.dtype)
-        ctx.save_for_backward(gA, gB.to(B.dtype))
-        return loss
+    def forward(ctx, A, B, Gm, X3, Y3, Q3, adt):
+        res = _loss_and_grad(A.detach(), B.detach(), X3, Y3, Q3, out_dtype=A.dtype,
+                             Gm=None if Gm is None else Gm.detach(), adt=adt)  # fmt: skip
+        ctx.cv = Gm is not None
+        ctx.save_for_backward(res[1], res[2].to(B.dtype), *((res[4].to(Gm.dtype),) if ctx.cv else ()))
+        return res[0], (res[3].to(Gm.dtype) if ctx.cv else torch.zeros_like(res[0]))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        gA, gB = ctx.saved_tensors
+    def backward(ctx, g_loss, g_lim):
+        gA, gB, *gG = ctx.saved_tensors
         if gA.dim() == 3:  # per group: one loss per group
-            grad = grad[:, None, None]
-        return grad * gA, grad * gB, None, None, None
+            g_loss, g_lim = g_loss[:, None, None], g_lim[:, None, None]
+        return g_loss * gA, g_loss * gB, (g_lim * gG[0] if ctx.cv else None), None, None, None, None
 
 
 def kernel_loss(A, B, X, Y, *, queries=None) -> torch.Tensor:
@@ -541,7 +544,7 @@ def kernel_loss(A, B, X, Y, *, queries=None) -> torch.Tensor:
     why = _unsupported(X3) or ("Y requires a gradient" if Y3.requires_grad else None)
     if why:
         raise ValueError(f"X: the moment kernel cannot run here ({why})")
-    return _KernelLoss.apply(A, B, X3, Y3, Q3)
+    return _KernelLoss.apply(A, B, None, X3, Y3, Q3, None)[0]
 
 
 def _kernel_loss_unchecked(A, B, X3, Y3, Q3=None) -> torch.Tensor:
@@ -551,28 +554,7 @@ def _kernel_loss_unchecked(A, B, X3, Y3, Q3=None) -> torch.Tensor:
     With per-group parameters ``A`` (G, k, d), ``B`` (G, d, d) (G chains, the P prompts in G consecutive
     groups of P / G): the G losses, shape (G,), each differentiable in its own ``A[g]``, ``B[g]``.
     """
-    return _KernelLoss.apply(A, B, X3, Y3, X3 if Q3 is None else Q3)
-
-
-class _KernelLossCV(torch.autograd.Function):
-    """The attention loss and the control variate's limit loss from one pass, with their gradients in
-    ``(A, B)`` and in the limit map ``Gm`` saved from it."""
-
-    @staticmethod
-    def forward(ctx, A, B, Gm, Xf, Yf, adt):
-        loss, gA, gB, lim, gG = _loss_and_grad(
-            A.detach(), B.detach(), Xf, Yf, Xf, out_dtype=A.dtype, Gm=Gm.detach(), adt=adt
-        )
-        ctx.save_for_backward(gA, gB.to(B.dtype), gG.to(Gm.dtype))
-        return loss, lim.to(Gm.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_loss, g_lim):
-        gA, gB, gG = ctx.saved_tensors
-        if gA.dim() == 3:  # per group: one loss per group
-            g_loss, g_lim = g_loss[:, None, None], g_lim[:, None, None]
-        return g_loss * gA, g_loss * gB, g_lim * gG, None, None, None
+    return _KernelLoss.apply(A, B, None, X3, Y3, X3 if Q3 is None else Q3, None)[0]
 
 
 def _kernel_losses_cv(A, B, Gm, Xf, Yf, *, adt=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -584,4 +566,4 @@ def _kernel_losses_cv(A, B, Gm, Xf, Yf, *, adt=None) -> Tuple[torch.Tensor, torc
     (:func:`attnlib.model.prompts.limit_losses`). Both are differentiable (once): the first in ``A``, ``B``,
     the second in ``Gm``. Per-group ``A``, ``B``, ``Gm`` (G, ...) give two tensors of shape (G,).
     """
-    return _KernelLossCV.apply(A, B, Gm, Xf, Yf, adt)
+    return _KernelLoss.apply(A, B, Gm, Xf, Yf, Xf, adt)

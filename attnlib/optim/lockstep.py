@@ -11,7 +11,8 @@ variate's limit loss and their gradients from the same pass. The rest of the ste
 chains with torch (no Python loop per chain, no autograd graph): the gradient of the estimate assembled
 from those sums (the population term and the limit loss through ``G = A Sigma B^T``, the regularizer in
 closed form), the preconditioned structured update and the renormalization
-(:meth:`attnlib.geometry.Renormalization.stacked`, once per distinct renormalization among the chains).
+(:meth:`attnlib.geometry.Renormalization.stacked_each`: one batched call for chains that balance, cap or
+fix, whatever their bounds).
 So Python and launch overhead is paid once per step, not once per chain and step
 (``benchmarks/kernel_benchmark.py`` measures it). On CUDA, or without the control variate, the estimate
 is batched SDPA (or the kernel) and one autograd pass. Each chain's record (``History``, every
@@ -113,8 +114,9 @@ class _Stacked:
         with torch.no_grad():
             C, P, n, d = X.shape
             Xf, Yf = X.reshape(C * P, n, d), Y.reshape(C * P, n, -1)
-            att, gA, gB, lim, gG = _loss_and_grad(A, B, Xf, Yf, Xf, out_dtype=A.dtype, Gm=A @ S @ B.mT, adt=self.adt)
-            E = A @ S @ B.mT - self.task.M
+            G = A @ S @ B.mT
+            att, gA, gB, lim, gG = _loss_and_grad(A, B, Xf, Yf, Xf, out_dtype=A.dtype, Gm=G, adt=self.adt)
+            E = G - self.task.M
             ES = E @ S
             loss = 0.5 * torch.sum(ES * E, dim=(1, 2)) + self.task.bayes_risk + (att - lim)
             dG = ES - gG
@@ -184,17 +186,16 @@ def _configs(config, options, seeds) -> List[ChainConfig]:
 
 class _Renorms:
     """The chains' renormalizations: one :class:`~attnlib.geometry.Renormalization` per distinct ``(mode, nu_cap)``,
-    each applied batched to its chains (one group: the whole stack, no indexing)."""
+    applied batched (:meth:`~attnlib.geometry.Renormalization.stacked_each`, or per renormalization on its chains)."""
 
     def __init__(self, task: Task, cfgs: Sequence[ChainConfig]):
         keys = [(c.renormalization, c.nu_cap if c.renormalization in ("cap", "fix") else None) for c in cfgs]
-        self.of_chain, self.groups = [], []
-        for key in dict.fromkeys(keys):
-            mode, cap = key
-            ren = Renormalization(mode, task, cap) if mode else None
-            idx = [i for i, k in enumerate(keys) if k == key]
-            self.groups.append((ren, torch.tensor(idx, dtype=torch.long, device=task.device), len(idx) == len(keys)))
-        self.of_chain = [next(r for r, ix, _ in self.groups if int(i) in ix.tolist()) for i in range(len(keys))]
+        by_key = {key: (Renormalization(key[0], task, key[1]) if key[0] else None) for key in dict.fromkeys(keys)}
+        self.of_chain = [by_key[key] for key in keys]
+        self.groups = [
+            (ren, torch.tensor([i for i, k in enumerate(keys) if k == key], dtype=torch.long, device=task.device))
+            for key, ren in by_key.items()
+        ]
         self._capfix = torch.tensor(
             [r is not None and r.mode in ("cap", "fix") for r in self.of_chain], device=task.device
         )
@@ -202,31 +203,22 @@ class _Renorms:
     def gamma2(self, A, B) -> Optional[torch.Tensor]:
         """Per chain, the balanced-coordinates factor of "cap"/"fix" (1 for the others), shape (C, 1, 1); None if
         no chain has one."""
-        if not any(r is not None and r.mode in ("cap", "fix") for r, _, _ in self.groups):
+        if not bool(self._capfix.any()):
             return None
         ren = next(r for r in self.of_chain if r is not None and r.mode in ("cap", "fix"))
         out = ren.stacked_gamma2(A, B)  # the same Sigma for every chain: one batched call, then 1 where no cap/fix
-        if len(self.groups) > 1:
-            out = torch.where(self._capfix, out, 1.0)
-        return out[:, None, None]
+        return torch.where(self._capfix, out, 1.0)[:, None, None]
 
     def apply(self, A, B) -> None:
-        """Renormalize every chain in place (one batched call where every chain balances, caps or fixes)."""
-        if len(self.groups) > 1 and all(
-            r is not None and r.mode in ("balance", "cap", "fix") for r, _, _ in self.groups
-        ):
+        """Renormalize every chain in place: one batched call where every chain balances, caps or fixes, else one
+        per renormalization ("equalize", or none) on its chains."""
+        if all(r is not None and r.mode in ("balance", "cap", "fix") for r in self.of_chain):
             A_new, B_new = Renormalization.stacked_each(self.of_chain, A, B)
             A.copy_(A_new)
             B.copy_(B_new)
             return
-        for ren, idx, whole in self.groups:
-            if ren is None:
-                continue
-            if whole:
-                A_new, B_new = ren.stacked(A, B)
-                A.copy_(A_new)
-                B.copy_(B_new)
-            else:
+        for ren, idx in self.groups:
+            if ren is not None:
                 A_new, B_new = ren.stacked(A[idx], B[idx])
                 A.index_copy_(0, idx, A_new)
                 B.index_copy_(0, idx, B_new)
