@@ -7,15 +7,16 @@ between steps (so chain ``c`` sees exactly, bit for bit, the prompts that
 ``run_chain(task, n, config, seed=seeds[c])`` sees), then evaluates all ``C x P`` prompts in **one**
 call of the moment kernel with each chain's own ``(A, B)`` (per-group parameters,
 :func:`attnlib.model.kernels._loss_and_grad`), which returns per chain the attention loss, the control
-variate's limit loss and their gradients from the same pass. The rest of the step is batched over the
-chains with torch (no Python loop per chain, no autograd graph): the gradient of the estimate assembled
-from those sums (the population term and the limit loss through ``G = A Sigma B^T``, the regularizer in
-closed form), the preconditioned structured update and the renormalization
-(:meth:`attnlib.geometry.Renormalization.stacked_each`: one batched call for chains that balance, cap or
-fix, whatever their bounds).
-So Python and launch overhead is paid once per step, not once per chain and step
-(``benchmarks/kernel_benchmark.py`` measures it). On CUDA, or without the control variate, the estimate
-is batched SDPA (or the kernel) and one autograd pass. Each chain's record (``History``, every
+variate's limit loss and their gradients from the same pass. The rest of the step (the gradient of the
+estimate assembled from those sums: the population term and the limit loss through ``G = A Sigma B^T``, the
+regularizer in closed form; the preconditioned structured update; the renormalization) is small ``d x d``
+algebra in many operations. With float64 parameters on the CPU it is **one compiled call** for all chains
+(:mod:`attnlib.optim._fused`, :class:`_Fused`); otherwise, and as the reference, it is batched over the
+chains with torch (no Python loop per chain, no autograd graph;
+:meth:`attnlib.geometry.Renormalization.stacked_each`: one batched call for chains that balance, cap or
+fix, whatever their bounds). Either way Python and launch overhead is paid once per step, not once per
+chain and step (``benchmarks/kernel_benchmark.py`` measures it). On CUDA, or without the control variate,
+the estimate is batched SDPA (or the kernel) and one autograd pass. Each chain's record (``History``, every
 ``record_every`` steps), its iterate average and its :class:`~attnlib.optim.ChainResult` equal those of
 the sequential chain to round-off (``tests/test_lockstep.py`` asks 1e-12 relative). ``History.time`` is
 the lockstep's wall time divided by ``C``.
@@ -33,16 +34,19 @@ import dataclasses
 import time
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .._validate import check_positive_int
 from ..geometry import Renormalization, _stacked_distance, manifold_point
+from ..model import kernels as _kernels
 from ..model.finite_n import softmax_scale
 from ..model.kernels import _kernel_loss_unchecked, _loss_and_grad, resolve_engine
 from ..model.prompts import sample_prompts
 from ..model.task import Task, check_task
 from ..rng import make_generator
+from . import _fused
 from .api import ChainResult, _start, run_chain
 from .config import ChainConfig, make_config
 from .loop import History
@@ -64,6 +68,8 @@ class _Stacked:
         self.lam = cfg.lam if cfg.use_regularizer else 0.0
         probe = torch.empty(0, task.d, dtype=self.adt, device=task.device)
         self.kernel = resolve_engine(cfg.engine, probe) == "kernel"  # decided once, not at every step
+        # the step after the kernel pass compiled (attnlib.optim._fused): float64 parameters on the CPU
+        self.fused = self.kernel and cfg.control_variate and task.dtype == torch.float64 and task.device.type == "cpu"
         self.calls = 0
         self._buf = None
 
@@ -267,10 +273,11 @@ class _Record:
             h.grad_norm.append(gn[c])
             h.time.append(elapsed / self.C)
 
-    def average(self, t, A, B, loss) -> None:
+    def average(self, t, A, B, loss, G=None) -> None:
+        """Add step ``t``'s limit maps (``G = A Sigma B^T`` where the caller has them) and losses after the burn-in."""
         if t >= self.burn_in:
             with torch.no_grad():
-                self.G_sum += A.detach() @ self.task.Sigma @ B.detach().mT
+                self.G_sum += A.detach() @ self.task.Sigma @ B.detach().mT if G is None else G
             self.loss_sum = [s + v for s, v in zip(self.loss_sum, loss.tolist())]
             self.count += 1
 
@@ -296,15 +303,79 @@ def _update(A, B, grads, cfg: ChainConfig, S_inv, renorms: _Renorms) -> None:
         _finite(A, B)
 
 
+class _Fused:
+    """The compiled step after the kernel pass (:mod:`attnlib.optim._fused`) with its constants and output
+    buffers: every chain's estimate, gradient, update and renormalization in one call."""
+
+    def __init__(self, task: Task, cfgs: Sequence[ChainConfig], S_inv: torch.Tensor):
+        cfg, C, k, d = cfgs[0], len(cfgs), task.k, task.d
+        self.fn = _fused.compiled()
+        f8 = lambda t: t.detach().to(torch.float64).contiguous().numpy()  # noqa: E731
+        lam = cfg.lam if cfg.use_regularizer else 0.0
+        modes = np.array([_fused.MODES[c.renormalization] for c in cfgs], dtype=np.int64)
+        caps = np.array([c.nu_cap if c.renormalization in ("cap", "fix") else 1.0 for c in cfgs], dtype=np.float64)
+        self.consts = (f8(task.Sigma), f8(task.M), float(task.bayes_risk), float(lam), f8(S_inv),
+                       f8(task.Sigma_sqrt), f8(task.Sigma_inv_sqrt), float(cfg.lr), modes, caps)  # fmt: skip
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+        self.loss, self.obj, self.gA, self.gB = z(C), z(C), z(C, k, d), z(C, d, d)
+        self.status = np.zeros(C, dtype=np.int64)
+        self.next = (z(C, k, d), z(C, d, d), z(C, k, d))  # A, B and G of the next step
+
+    def __call__(self, estimate: _Stacked, A, B, G, update: bool) -> int:
+        """One step at ``(A, B)`` (``G = A Sigma B^T``): draw every chain's prompts, run the kernel pass, fill the
+        outputs (with ``update``, the next iterates in ``self.next``); returns the largest status."""
+        C, P, n = A.shape[0], estimate.P, estimate.n
+        X, Y = estimate.draw()
+        Xf, Yf = X.reshape(C * P, n, A.shape[2]), Y.reshape(C * P, n, A.shape[1])
+        fn, args = _kernels._prepare(B, Xf, Xf, A, Yf, G, False, estimate.adt)
+        fn(*args)
+        items = args[7]  # the work items' sums, consecutive rows per chain
+        An, Bn, Gn = (t.numpy() for t in self.next)
+        outs = (self.loss.numpy(), self.obj.numpy(), self.gA.numpy(), self.gB.numpy(), Gn, An, Bn, self.status)
+        self.fn(items, items.shape[0] // C, float(n * P), A.numpy(), B.numpy(), self.consts, update, outs)
+        return int(self.status.max())
+
+
+def _fused_loop(task: Task, cfgs, estimate: _Stacked, rec: _Record, renorms: _Renorms, A, B, S_inv):
+    """The lockstep loop with the compiled step (:class:`_Fused`); leaves the last iterates in ``A``, ``B``."""
+    cfg, fused, elapsed = cfgs[0], _Fused(task, cfgs, S_inv), 0.0
+    G = A @ task.Sigma @ B.mT
+    for t in range(cfg.steps + 1):
+        t0 = time.perf_counter()
+        status = fused(estimate, A, B, G, t < cfg.steps)
+        elapsed += time.perf_counter() - t0
+        if status == 1:
+            raise _Diverged
+        grads = (fused.gA, fused.gB)
+        if (t % cfg.record_every == 0) or t == cfg.steps:
+            rec.record(t, A, B, fused.loss, fused.obj, grads, elapsed)
+        rec.average(t, A, B, fused.loss, G)
+        if t == cfg.steps:
+            break
+        t0 = time.perf_counter()
+        if status == 2:  # a renormalization the torch path decides (attnlib.optim._fused)
+            _update(A, B, grads, cfg, S_inv, renorms)
+            G = A @ task.Sigma @ B.mT
+        else:
+            An, Bn, Gn = fused.next
+            fused.next = (A, B, G)
+            A, B, G = An, Bn, Gn
+        elapsed += time.perf_counter() - t0
+    return A, B
+
+
 def _lockstep(task: Task, n: int, cfgs: Sequence[ChainConfig]) -> List[ChainResult]:
     """The loop of :func:`attnlib.optim.run` for every chain at once (raises ``_Diverged``)."""
     cfg = cfgs[0]  # the fields the chains share
     renorms = _Renorms(task, cfgs)
     A0, B0 = _starts(task, cfgs, renorms)
-    A, B = A0.requires_grad_(True), B0.requires_grad_(True)
     seeds = [c.seed for c in cfgs]
     estimate, rec = _Stacked(task, n, cfg, seeds), _Record(task, cfgs, n)
     S_inv, elapsed = torch.linalg.inv(task.Sigma), 0.0
+    if estimate.fused:
+        A, B = _fused_loop(task, cfgs, estimate, rec, renorms, A0.contiguous(), B0.contiguous(), S_inv)
+        return _results(task, rec, A, B, estimate.calls)
+    A, B = A0.requires_grad_(True), B0.requires_grad_(True)
     for t in range(cfg.steps + 1):
         t0 = time.perf_counter()
         loss, obj, grads = estimate(A, B)
