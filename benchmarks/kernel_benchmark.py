@@ -14,13 +14,15 @@ a process that another one time-slices with is charged only for its own cycles),
   renormalization; d = 4, k = 2, the sweeps' task) for n = 256, 1024, 4096, by engine, and its
   attention part alone (``PromptObjective.attention_loss`` and its gradient on one draw);
 * whole chains in lockstep (``--lockstep-n``: n = 256, 1024; ``--chains`` = 24 chains, the prompts
-  sweep's four renormalizations in turn, as the sweep groups its 4 x 6 chains at one n), per chain and
+  sweep's four renormalizations in turn, as the sweep groups its 4 x 6 chains at one n, and 1 chain
+  alone through the same engine), per chain and
   step: a chain of ``--chain-steps`` = 11 steps minus a chain of 1 step (a record every 10 steps), so
   the once-per-chain start and results are left out, as they nearly are in the sweeps' 121-step chains.
   Split, inside the same runs, into the time in the compiled kernel (one call per step: all chains'
   prompts), in the prompt draws (``torch.randn`` and the two products of ``Task.sample`` for every chain,
   into the lockstep's buffers) and the rest, the Python and launch overhead (the wrappers, the cast
-  and transposition of the keys, the gradient assembly, the update and renormalization, the checks);
+  and transposition of the keys, the compiled step of ``attnlib.optim._fused``: gradient assembly,
+  update and renormalization, the checks, the records);
 * the single-sequence loss and gradient (``empirical_loss`` and ``torch.autograd.grad``) for
   n = 1024, 4096, 16384 (d = 4);
 
@@ -32,8 +34,8 @@ measured after every timed call (two 512 x 512 matrix products with torch; ``tor
 arrays, resident in cache), so that a call and its bound see the same machine: the host's speed drifts
 by tens of percent within a run. ``fraction of bound`` = median over the calls of bound / time (1 = at
 the bound; the kernel's own formulation needs fewer instructions per pair than ``F`` flops suggest:
-``attnlib.model.kernels``). Also measured: the kernel's compile time (first call, empty cache) and its
-first call with a warm cache, each in a fresh process.
+``attnlib.model.kernels``). Also measured: the compile times of the kernel and of the lockstep's compiled
+step (first calls, empty caches) and the same first calls with warm caches, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -236,8 +238,9 @@ def _chains(n, reps, chains, steps):
     rows = []
     for adt in (torch.float64, torch.float32):
         cfg = dict(prompts=PROMPTS, lr=0.5, attention_dtype=adt, record_every=10, engine="kernel")
-        label = (f"run_chains, {chains} chains in lockstep ({len(set(scales))} renormalizations), moment kernel "
-                 f"{str(adt)[6:]}")  # fmt: skip
+        who = (f"{chains} chains in lockstep ({len(set(scales))} renormalizations)" if chains > 1
+               else "1 chain")  # fmt: skip
+        label = f"run_chains, {who}, moment kernel {str(adt)[6:]}"
 
         def run(s):
             cfgs = [optim.ChainConfig(**cfg, steps=s, burn_in=s // 2, renormalize=m, nu_cap=cap, seed=0)
@@ -266,17 +269,21 @@ def _chains(n, reps, chains, steps):
 
 
 def _first_call(cache):
-    """Seconds for the first kernel call of a fresh process (compiles with an empty ``cache``)."""
+    """Seconds for the first kernel call of a fresh process, and then for its first lockstep step (the compiled step
+    of ``attnlib.optim._fused``); both compile with an empty ``cache`` (the kernel's and numba's)."""
     code = (
         "import time, torch, attnlib as al;"
-        "from attnlib.model import kernels as K;"
+        "from attnlib.model import kernels as K; from attnlib import experiments as ex;"
         "X = torch.randn(64, 4, dtype=torch.float64); Y = torch.randn(64, 2, dtype=torch.float64);"
         "A = torch.randn(2, 4, dtype=torch.float64); B = torch.randn(4, 4, dtype=torch.float64);"
-        "t = time.perf_counter(); K.loss_and_grad(A, B, X, Y); print(time.perf_counter() - t)"
+        "t = time.perf_counter(); K.loss_and_grad(A, B, X, Y); print(time.perf_counter() - t);"
+        "task = ex.make_task(0.0); t = time.perf_counter();"
+        "al.run_chains(task, 16, [1, 2], steps=2, burn_in=1, prompts=2, lr=0.5, engine='kernel');"
+        "print(time.perf_counter() - t)"
     )
-    env = dict(os.environ, ATTNLIB_KERNEL_CACHE=cache)
+    env = dict(os.environ, ATTNLIB_KERNEL_CACHE=cache, NUMBA_CACHE_DIR=os.path.join(cache, "numba"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return [float(v) for v in out.stdout.strip().splitlines()[-2:]]
 
 
 def _span(key, scale):
@@ -300,8 +307,10 @@ def _table(rows, compile_s, load_s, reps):
         f"`torch.exp` {_span('exp_torch.float64', 1e9)} G/s in float64, {_span('exp_torch.float32', 1e9)} in float32. "
         f"Bound per pair of tokens: {_flops_per_pair(D)} flops at the GEMM rate + 1 exponential at the exp rate; "
         "each `fraction of bound` is the median over the calls of (the bound from the rates sampled after that "
-        "call) / (that call's time). Kernel compile (first call, empty cache, fresh process): "
-        f"{compile_s:.1f} s; first call with the cache warm: {load_s:.2f} s (includes importing numba).",
+        "call) / (that call's time). Compile, in a fresh process with empty caches: the kernel (its first call) "
+        f"{compile_s[0]:.1f} s, then the lockstep's compiled step (the first `run_chains` call) {compile_s[1]:.1f} s; "
+        f"the same first calls with the caches warm: {load_s[0]:.2f} s (includes importing numba) and "
+        f"{load_s[1]:.2f} s.",
         "",
         f"**Regime-(ii) step, one chain: {PROMPTS} prompts of n tokens, control variate, gradient, structured update**",
         "",
@@ -353,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-n", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--single-n", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lockstep-n", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--chains", type=int, default=24, help="chains in lockstep, the prompts sweep's scales in turn")
+    p.add_argument("--chains", type=int, nargs="+", default=[24, 1],
+                   help="chains in lockstep (each count a row), the prompts sweep's scales in turn")  # fmt: skip
     p.add_argument("--chain-steps", type=int, default=11)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="n = 64, 128 only, 2 repetitions (a smoke test)")
@@ -372,8 +382,9 @@ def main(argv=None) -> int:
         rows += _prompt_step(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)
     for n in args.lockstep_n:
-        rows += _chains(n, args.reps, args.chains, args.chain_steps)
-        print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
+        for chains in args.chains:
+            rows += _chains(n, args.reps, chains, args.chain_steps)
+            print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
     for n in args.single_n:
         rows += _single(n, args.reps)
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)

@@ -39,7 +39,21 @@ def compiled():
         opts = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
         jit = lambda f: numba.njit(**opts)(f)  # noqa: E731
         g = globals()
-        for name in ("_mm", "_mTm", "_mmT", "_frob", "_jacobi", "_balance", "_grad", "_update"):
+        for name in (
+            "_mm",
+            "_mTm",
+            "_mmT",
+            "_frob",
+            "_axpy",
+            "_scale",
+            "_inner",
+            "_cols",
+            "_finite",
+            "_jacobi",
+            "_balance",
+            "_grad",
+            "_update",
+        ):
             g[name] = jit(_PY[name])
         _STEP = jit(_PY["_step"])
     return _STEP
@@ -92,6 +106,50 @@ def _frob(a):
     return np.sqrt(s)
 
 
+def _axpy(x, alpha, y):
+    """``x + alpha y`` (2-d)."""
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = x[i, j] + alpha * y[i, j]
+    return out
+
+
+def _scale(x, alpha):
+    """``alpha x`` (2-d)."""
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = alpha * x[i, j]
+    return out
+
+
+def _inner(x, y, transpose):
+    """``sum(x * y)``, or with ``transpose`` ``sum(x * y^T)`` (square)."""
+    t = 0.0
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            t += x[i, j] * (y[j, i] if transpose else y[i, j])
+    return t
+
+
+def _cols(U, s, r):
+    """``U[:, :r] * sqrt(s[:r])``."""
+    out = np.empty((U.shape[0], r))
+    for j in range(r):
+        h = np.sqrt(s[j])
+        for i in range(U.shape[0]):
+            out[i, j] = U[i, j] * h
+    return out
+
+
+def _finite(a):
+    for v in a.ravel():
+        if not np.isfinite(v):
+            return False
+    return True
+
+
 def _jacobi(X):
     """Thin SVD of ``X`` (m x r, m >= r) by one-sided Jacobi: ``(Q, s, J)`` with ``X = Q diag(s) J^T``, ``s``
     descending, ``Q`` (m x r) with orthonormal columns where ``s > 0`` (zero columns elsewhere), ``J`` orthogonal."""
@@ -129,15 +187,24 @@ def _jacobi(X):
             break
     norms = np.zeros(r)
     for j in range(r):
-        norms[j] = np.sqrt(np.sum(Y[:, j] ** 2))
-    order = np.argsort(-norms, kind="mergesort")
+        t = 0.0
+        for i in range(m):
+            t += Y[i, j] * Y[i, j]
+        norms[j] = np.sqrt(t)
     Q, s, Jo = np.zeros((m, r)), np.zeros(r), np.zeros((r, r))
-    for jj in range(r):
-        j = order[jj]
+    taken = np.zeros(r, dtype=np.bool_)
+    for jj in range(r):  # the columns by decreasing norm (the first of equal norms first)
+        j = -1
+        for i in range(r):
+            if not taken[i] and (j < 0 or norms[i] > norms[j]):
+                j = i
+        taken[j] = True
         s[jj] = norms[j]
-        Jo[:, jj] = J[:, j]
+        for i in range(r):
+            Jo[i, jj] = J[i, j]
         if norms[j] > 0:
-            Q[:, jj] = Y[:, j] / norms[j]
+            for i in range(m):
+                Q[i, jj] = Y[i, j] / norms[j]
     return Q, s, Jo
 
 
@@ -156,10 +223,8 @@ def _balance(At, C):
     for j in range(k):
         if s[j] > rtol * s[0]:
             r += 1
-    sh = np.sqrt(s[:r])
-    US = U[:, :r] * sh
-    VS = V[:, :r] * sh
-    N = _mTm(At, US) + _mm(C, VS)  # d x r
+    US, VS = _cols(U, s, r), _cols(V, s, r)
+    N = _axpy(_mTm(At, US), 1.0, _mm(C, VS))  # d x r
     Qn, sn, Jn = _jacobi(N)
     if sn[r - 1] <= 1e-13 * sn[0]:  # the polar factor is not unique: the torch path picks one
         return At, C, 0.0, 2
@@ -178,20 +243,20 @@ def _grad(sums, a, b, consts):
     lim = 0.5 * sums[1 + kd + d * d]
     gG = sums[2 + kd + d * d : 2 + 2 * kd + d * d].copy().reshape(k, d)
     G = _mmT(_mm(a, Sig), b)
-    E = G - M
+    E = _axpy(G, -1.0, M)
     ES = _mm(E, Sig)
-    loss = 0.5 * np.sum(ES * E) + bayes + (att - lim)
-    dG = ES - gG
-    gA += _mm(_mm(dG, b), Sig)
-    gB += _mm(_mTm(dG, a), Sig)
+    loss = 0.5 * _inner(ES, E, False) + bayes + (att - lim)
+    dG = _axpy(ES, -1.0, gG)
+    gA = _axpy(gA, 1.0, _mm(_mm(dG, b), Sig))
+    gB = _axpy(gB, 1.0, _mm(_mTm(dG, a), Sig))
     obj = loss
     if lam != 0.0:
-        D = _mTm(a, a) - _mm(_mTm(b, Sig), b)
+        D = _axpy(_mTm(a, a), -1.0, _mm(_mTm(b, Sig), b))
         DS = _mm(D, Sig)
         SDS = _mm(Sig, DS)
-        obj = loss + 0.25 * lam * np.sum(DS * DS.T)
-        gA += lam * _mm(a, SDS)
-        gB -= lam * _mm(_mm(Sig, b), SDS)
+        obj = loss + 0.25 * lam * _inner(DS, DS, True)
+        gA = _axpy(gA, lam, _mm(a, SDS))
+        gB = _axpy(gB, -lam, _mm(_mm(Sig, b), SDS))
     return loss, obj, gA, gB
 
 
@@ -204,9 +269,9 @@ def _update(a, b, gA, gB, consts, c):
         na, nc = _frob(At), _frob(C)
         if na > 0 and nc > 0:
             g2 = na / nc
-    a_new = a - (lr * g2) * _mm(gA, Sinv)
-    b_new = b - (lr / g2) * _mm(_mm(Sinv, gB), Sinv)
-    if not (np.all(np.isfinite(a_new)) and np.all(np.isfinite(b_new))):
+    a_new = _axpy(a, -(lr * g2), _mm(gA, Sinv))
+    b_new = _axpy(b, -(lr / g2), _mm(_mm(Sinv, gB), Sinv))
+    if not (_finite(a_new) and _finite(b_new)):
         return a_new, b_new, 1
     if mode == 0:
         return a_new, b_new, 0
@@ -216,8 +281,8 @@ def _update(a, b, gA, gB, consts, c):
         if na == 0.0 or nc == 0.0:
             return a_new, b_new, 0
         c = np.sqrt(na / nc)
-        return a_new / c, b_new * c, 0
-    if not np.all(np.isfinite(_mm(At, C))):
+        return _scale(a_new, 1.0 / c), _scale(b_new, c), 0
+    if not _finite(_mm(At, C)):
         return a_new, b_new, 1
     At_b, C_b, nu, status = _balance(At, C)
     if status != 0:
@@ -228,9 +293,9 @@ def _update(a, b, gA, gB, consts, c):
         if mode == 2 and gamma2 < 1.0:
             gamma2 = 1.0
         gamma = np.sqrt(gamma2)
-    a_out = _mm(gamma * At_b, Rih)
-    b_out = _mm(_mmT(Rih, C_b / gamma), Rih)  # Rih (C_b / gamma)^T Rih
-    if not (np.all(np.isfinite(a_out)) and np.all(np.isfinite(b_out))):
+    a_out = _mm(_scale(At_b, gamma), Rih)
+    b_out = _mm(_mmT(Rih, _scale(C_b, 1.0 / gamma)), Rih)  # Rih (C_b / gamma)^T Rih
+    if not (_finite(a_out) and _finite(b_out)):
         return a_out, b_out, 1
     return a_out, b_out, 0
 
@@ -260,7 +325,7 @@ def _step(items, rows, scale, A, B, consts, update, outs):
         gA[c] = ga
         gB[c] = gb
         status[c] = 0
-        if not (np.isfinite(ob) and np.all(np.isfinite(A[c])) and np.all(np.isfinite(B[c]))):
+        if not (np.isfinite(ob) and _finite(A[c]) and _finite(B[c])):
             status[c] = 1
             continue
         if update:
@@ -271,4 +336,7 @@ def _step(items, rows, scale, A, B, consts, update, outs):
             G_next[c] = _mmT(_mm(a_new, Sig), b_new)
 
 
-_PY = {f.__name__: f for f in (_mm, _mTm, _mmT, _frob, _jacobi, _balance, _grad, _update, _step)}
+_PY = {
+    f.__name__: f
+    for f in (_mm, _mTm, _mmT, _frob, _axpy, _scale, _inner, _cols, _finite, _jacobi, _balance, _grad, _update, _step)
+}
