@@ -74,29 +74,12 @@ def _mm(a, b):
 
 def _mTm(a, b):
     """``a^T @ b``."""
-    p, m = a.shape
-    q = b.shape[1]
-    out = np.zeros((m, q))
-    for t in range(p):
-        for i in range(m):
-            v = a[t, i]
-            for j in range(q):
-                out[i, j] += v * b[t, j]
-    return out
+    return _mm(np.ascontiguousarray(a.T), b)
 
 
 def _mmT(a, b):
     """``a @ b^T``."""
-    m, p = a.shape
-    q = b.shape[0]
-    out = np.zeros((m, q))
-    for i in range(m):
-        for j in range(q):
-            s = 0.0
-            for t in range(p):
-                s += a[i, t] * b[j, t]
-            out[i, j] = s
-    return out
+    return _mm(a, np.ascontiguousarray(b.T))
 
 
 def _frob(a):
