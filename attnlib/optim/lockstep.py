@@ -417,6 +417,8 @@ def run_chains(task: Task, n: int, seeds: Sequence[int], config=None, /, **optio
     chain, or a sequence of them, one per seed, that differ at most in ``renormalize`` and ``nu_cap`` (chains of
     different renormalizations share the kernel pass; each group of equal renormalization is renormalized
     batched); its fields as keywords apply to every chain; ``seed`` is ignored. The structured method only.
+    Chains with the regularizer after a "cap" or "fix" renormalization run one by one (``run_chain``): in
+    lockstep they do not yet reproduce the sequential chains.
     Returns one :class:`~attnlib.optim.ChainResult` per seed, in order, equal to the sequential chains' to
     round-off.
     """
@@ -425,6 +427,10 @@ def run_chains(task: Task, n: int, seeds: Sequence[int], config=None, /, **optio
     if not seeds:
         raise ValueError("seeds: expected at least one seed")
     cfgs = _configs(config, options, seeds)
+    if any(c.use_regularizer and c.renormalization in ("cap", "fix") for c in cfgs):
+        # the regularizer after a capped renormalization: the lockstep does not reproduce the sequential chains
+        # (found 2026-12-01, not yet understood), so these chains run one by one
+        return [run_chain(task, n, c) for c in cfgs]
     try:
         return _lockstep(task, n, cfgs)
     except (_Diverged, ZeroDivisionError):
